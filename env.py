@@ -1,0 +1,755 @@
+"""
+The retail environment for MUA-RL: tau2-bench's retail shop as plain Python.
+
+The database is a plain dict {"products", "users", "orders"} in tau2's retail schema. The 16 agent
+tools are plain functions `tool(db, **arguments)` that mutate the db in place and raise ToolError,
+with the same argument names, checks (in the same order), error messages and effects as
+tau2-bench's src/tau2/domains/retail/tools.py, so that our gold end states hash exactly like
+tau2's. `call_tool` is the only entry point an episode needs: it validates the arguments against
+TOOL_SCHEMAS and never raises. The reward replays a task's gold actions on a fresh copy of the
+db and compares hashes, as tau2's environment evaluator does.
+
+Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+# -----------------------------------------------------------------------------
+# database: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
+
+ADDRESS_FIELDS = ("address1", "address2", "city", "country", "state", "zip")
+ORDER_FIELDS = ("order_id", "user_id", "address", "items", "status", "fulfillments", "payment_history")
+# absent from db.json but present (as null) in every pydantic dump, hence in tau2's hash
+ORDER_OPTIONAL = ("cancel_reason", "exchange_items", "exchange_new_items", "exchange_payment_method_id",
+                  "exchange_price_difference", "return_items", "return_payment_method_id")
+PAYMENT_FIELDS = {"credit_card": ("source", "id", "brand", "last_four"),
+                  "gift_card": ("source", "id", "balance"),
+                  "paypal": ("source", "id")}
+
+def _address(a):
+    return {k: a[k] for k in ADDRESS_FIELDS}
+
+def _variant(v):
+    return {"item_id": v["item_id"], "options": dict(v["options"]), "available": v["available"], "price": v["price"]}
+
+def _product(p):
+    return {"name": p["name"], "product_id": p["product_id"],
+            "variants": {k: _variant(v) for k, v in p["variants"].items()}}
+
+def _payment_method(m):
+    fields = PAYMENT_FIELDS.get(m.get("source"))
+    return {k: m[k] for k in fields} if fields else dict(m)
+
+def _user(u):
+    return {"user_id": u["user_id"],
+            "name": {"first_name": u["name"]["first_name"], "last_name": u["name"]["last_name"]},
+            "address": _address(u["address"]), "email": u["email"],
+            "payment_methods": {k: _payment_method(m) for k, m in u["payment_methods"].items()},
+            "orders": list(u["orders"])}
+
+def _order(o):
+    out = {"order_id": o["order_id"], "user_id": o["user_id"], "address": _address(o["address"]),
+           "items": [{"name": i["name"], "product_id": i["product_id"], "item_id": i["item_id"],
+                      "price": i["price"], "options": dict(i["options"])} for i in o["items"]],
+           "status": o["status"],
+           "fulfillments": [{"tracking_id": list(f["tracking_id"]), "item_ids": list(f["item_ids"])}
+                            for f in o["fulfillments"]],
+           "payment_history": [{"transaction_type": p["transaction_type"], "amount": p["amount"],
+                                "payment_method_id": p["payment_method_id"]} for p in o["payment_history"]]}
+    for k in ORDER_OPTIONAL:
+        v = o.get(k)
+        out[k] = list(v) if isinstance(v, list) else v
+    return out
+
+def canonical_db(db):
+    """A fresh copy of db equal to tau2's RetailDB.model_dump(): field order, the 7 order nulls,
+    unknown keys dropped (pydantic ignores extras). Values are kept as stored, like pydantic,
+    which does not validate on assignment."""
+    return {"products": {k: _product(p) for k, p in db["products"].items()},
+            "users": {k: _user(u) for k, u in db["users"].items()},
+            "orders": {k: _order(o) for k, o in db["orders"].items()}}
+
+def db_hash(db):
+    """tau2's get_dict_hash(db.model_dump()): sha256 of sorted-key JSON with default separators."""
+    s = json.dumps(canonical_db(db), sort_keys=True, default=str)
+    return hashlib.sha256(s.encode("utf-8")).hexdigest()
+
+def dump_db(db, path):
+    with open(path, "w") as f:
+        json.dump(canonical_db(db), f, indent=2)
+        f.write("\n")
+
+# required keys per record, checked at load so a bad file fails loudly instead of mid-episode
+_REQUIRED = {
+    "product": ("name", "product_id", "variants"),
+    "variant": ("item_id", "options", "available", "price"),
+    "user": ("user_id", "name", "address", "email", "payment_methods", "orders"),
+    "name": ("first_name", "last_name"),
+    "address": ADDRESS_FIELDS,
+    "order": ORDER_FIELDS,
+    "item": ("name", "product_id", "item_id", "price", "options"),
+    "fulfillment": ("tracking_id", "item_ids"),
+    "payment": ("transaction_type", "amount", "payment_method_id"),
+}
+
+def _require(obj, kind, where, path):
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: {where} should be an object, got {type(obj).__name__}")
+    missing = [k for k in _REQUIRED[kind] if k not in obj]
+    if missing:
+        raise ValueError(f"{path}: {where} is missing {', '.join(repr(k) for k in missing)}")
+
+def _check_db(raw, path):
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: top level should be an object with products, users, orders")
+    for table in ("products", "users", "orders"):
+        if not isinstance(raw.get(table), dict):
+            raise ValueError(f"{path}: missing top-level object {table!r}")
+    for pid, p in raw["products"].items():
+        _require(p, "product", f"products[{pid!r}]", path)
+        for vid, v in p["variants"].items():
+            _require(v, "variant", f"products[{pid!r}].variants[{vid!r}]", path)
+    for uid, u in raw["users"].items():
+        w = f"users[{uid!r}]"
+        _require(u, "user", w, path)
+        _require(u["name"], "name", w + ".name", path)
+        _require(u["address"], "address", w + ".address", path)
+        for mid, m in u["payment_methods"].items():
+            fields = PAYMENT_FIELDS.get(m.get("source") if isinstance(m, dict) else None)
+            if fields is None:
+                raise ValueError(f"{path}: {w}.payment_methods[{mid!r}] has no valid 'source'")
+            if any(k not in m for k in fields):
+                raise ValueError(f"{path}: {w}.payment_methods[{mid!r}] is missing one of {fields}")
+    for oid, o in raw["orders"].items():
+        w = f"orders[{oid!r}]"
+        _require(o, "order", w, path)
+        _require(o["address"], "address", w + ".address", path)
+        for i, it in enumerate(o["items"]):
+            _require(it, "item", f"{w}.items[{i}]", path)
+        for i, f in enumerate(o["fulfillments"]):
+            _require(f, "fulfillment", f"{w}.fulfillments[{i}]", path)
+        for i, p in enumerate(o["payment_history"]):
+            _require(p, "payment", f"{w}.payment_history[{i}]", path)
+
+def _floatify(db):
+    # pydantic's float fields turn JSON ints into floats at load time; the hash depends on it
+    fl = lambda x: float(x) if isinstance(x, int) and not isinstance(x, bool) else x
+    for p in db["products"].values():
+        for v in p["variants"].values():
+            v["price"] = fl(v["price"])
+    for u in db["users"].values():
+        for m in u["payment_methods"].values():
+            if "balance" in m:
+                m["balance"] = fl(m["balance"])
+    for o in db["orders"].values():
+        for it in o["items"]:
+            it["price"] = fl(it["price"])
+        for p in o["payment_history"]:
+            p["amount"] = fl(p["amount"])
+        o["exchange_price_difference"] = fl(o.get("exchange_price_difference"))
+    return db
+
+def load_db(path):
+    """Load a retail db.json as tau2 would: shape-checked, floats coerced, canonical form."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    _check_db(raw, path)
+    return _floatify(canonical_db(raw))
+
+# -----------------------------------------------------------------------------
+# calculate: tau2 uses eval(); we never eval model text, so a tiny parser with Python's semantics
+
+class ToolError(Exception):
+    """A tool refused the call; the message is what the agent sees after 'Error: '."""
+
+CALC_CHARS = set("0123456789+-*/(). ")
+
+def _tokenize(expr):
+    tokens, i = [], 0
+    while i < len(expr):
+        c = expr[i]
+        if c == " ":
+            i += 1
+        elif c.isdigit() or c == ".":
+            j = i
+            while j < len(expr) and expr[j].isdigit():
+                j += 1
+            if j < len(expr) and expr[j] == ".":
+                j += 1
+                while j < len(expr) and expr[j].isdigit():
+                    j += 1
+            s = expr[i:j]
+            if s == ".":
+                raise ToolError(f"Invalid expression: stray '.' at position {i}")
+            if "." not in s and len(s) > 1 and s[0] == "0" and s.strip("0"):
+                # Python rejects '01' (leading zeros in a decimal integer literal)
+                raise ToolError(f"Invalid expression: leading zeros in {s!r}")
+            tokens.append(float(s) if "." in s else int(s))
+            i = j
+        elif expr.startswith("**", i) or expr.startswith("//", i):
+            tokens.append(expr[i:i + 2])
+            i += 2
+        else:
+            tokens.append(c)
+            i += 1
+    return tokens
+
+def _pow(a, b):
+    # Python ints are exact; refuse results so large that computing them would hang the episode
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and a.bit_length() * b > 10**6:
+        raise ToolError("Invalid expression: result too large")
+    return a ** b
+
+_BINOPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+           "/": lambda a, b: a / b, "//": lambda a, b: a // b, "**": _pow}
+
+def _calc(expr):
+    """Evaluate with Python's grammar: expr := term (+|- term)*, term := factor (*|/|// factor)*,
+    factor := (+|-) factor | atom [** factor], atom := number | ( expr )."""
+    toks, pos = _tokenize(expr), 0
+    peek = lambda: toks[pos] if pos < len(toks) else None
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return toks[pos - 1]
+
+    def expr_():
+        v = term()
+        while peek() in ("+", "-"):
+            op = take()
+            v = _BINOPS[op](v, term())
+        return v
+
+    def term():
+        v = factor()
+        while peek() in ("*", "/", "//"):
+            op = take()
+            v = _BINOPS[op](v, factor())
+        return v
+
+    def factor():
+        if peek() in ("+", "-"):
+            return -factor() if take() == "-" else +factor()
+        v = atom()
+        if peek() == "**":
+            take()
+            v = _pow(v, factor())  # right-associative, and binds tighter than a unary minus on its left
+        return v
+
+    def atom():
+        t = peek()
+        if isinstance(t, (int, float)):
+            return take()
+        if t == "(":
+            take()
+            v = expr_()
+            if peek() != ")":
+                raise ToolError("Invalid expression: missing ')'")
+            take()
+            return v
+        raise ToolError("Invalid expression: unexpected " + ("end of expression" if t is None else repr(t)))
+
+    v = expr_()
+    if pos != len(toks):
+        raise ToolError(f"Invalid expression: unexpected {toks[pos]!r}")
+    return v
+
+def calculate(db, expression):
+    """Calculate the result of a mathematical expression."""
+    if not all(c in CALC_CHARS for c in expression):
+        raise ToolError("Invalid characters in expression")
+    return str(round(float(_calc(expression)), 2))
+
+# -----------------------------------------------------------------------------
+# lookups (same messages as tau2's private helpers)
+
+def _get_order(db, order_id):
+    if order_id not in db["orders"]:
+        raise ToolError("Order not found")
+    return db["orders"][order_id]
+
+def _get_user(db, user_id):
+    if user_id not in db["users"]:
+        raise ToolError("User not found")
+    return db["users"][user_id]
+
+def _get_product(db, product_id):
+    if product_id not in db["products"]:
+        raise ToolError("Product not found")
+    return db["products"][product_id]
+
+def _get_variant(db, product_id, variant_id):
+    product = _get_product(db, product_id)
+    if variant_id not in product["variants"]:
+        raise ToolError("Variant not found")
+    return product["variants"][variant_id]
+
+def _get_payment_method(db, user_id, payment_method_id):
+    user = _get_user(db, user_id)
+    if payment_method_id not in user["payment_methods"]:
+        raise ToolError("Payment method not found")
+    return user["payment_methods"][payment_method_id]
+
+def _is_gift_card(method):
+    return method.get("source") == "gift_card"
+
+def _payment(kind, amount, method_id):
+    return {"transaction_type": kind, "amount": amount, "payment_method_id": method_id}
+
+def _new_address(address1, address2, city, state, country, zip):
+    # field order of tau2's UserAddress (country before state), which shows in tool output
+    return {"address1": address1, "address2": address2, "city": city, "country": country,
+            "state": state, "zip": zip}
+
+def _too_many(item_ids, order):
+    """The first requested id that appears more often in item_ids than in the order, else None."""
+    have = [it["item_id"] for it in order["items"]]
+    return next((i for i in item_ids if item_ids.count(i) > have.count(i)), None)
+
+def _first_item(order, item_id):
+    return next((it for it in order["items"] if it["item_id"] == item_id), None)
+
+def _price_diff(db, order, item_ids, new_item_ids, reject_same):
+    """Sum of new - old prices left to right, as a raw float; also returns the last new variant."""
+    diff, variant = 0, None  # an int 0 when there are no pairs, exactly as in tau2
+    for item_id, new_item_id in zip(item_ids, new_item_ids):
+        if reject_same and item_id == new_item_id:
+            raise ToolError("The new item id should be different from the old item id")
+        item = _first_item(order, item_id)
+        if item is None:
+            raise ToolError(f"Item {item_id} not found")
+        variant = _get_variant(db, item["product_id"], new_item_id)
+        if not variant["available"]:
+            raise ToolError(f"New item {new_item_id} not found or available")
+        diff += variant["price"] - item["price"]
+    return diff, variant
+
+# -----------------------------------------------------------------------------
+# the 16 tools: read tools return a canonical view, write tools mutate db and return the record
+
+def cancel_pending_order(db, order_id, reason):
+    """Cancel a pending order; every payment is refunded, gift cards at once."""
+    order = _get_order(db, order_id)
+    if order["status"] != "pending":
+        raise ToolError("Non-pending order cannot be cancelled")
+    if reason not in ("no longer needed", "ordered by mistake"):
+        raise ToolError("Invalid reason")
+    refunds = []
+    for p in order["payment_history"]:
+        refunds.append(_payment("refund", p["amount"], p["payment_method_id"]))
+        # looked up per payment as in tau2, so a missing method fails after earlier gift cards were credited
+        method = _get_payment_method(db, order["user_id"], p["payment_method_id"])
+        if _is_gift_card(method):
+            method["balance"] = round(method["balance"] + p["amount"], 2)
+    order["status"] = "cancelled"
+    order["cancel_reason"] = reason
+    order["payment_history"].extend(refunds)
+    return _order(order)
+
+def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
+    """Request an exchange of delivered items for other variants of the same products.
+    No money moves now; the rounded price difference is recorded on the order."""
+    order = _get_order(db, order_id)
+    if order["status"] != "delivered":
+        raise ToolError("Non-delivered order cannot be exchanged")
+    missing = _too_many(item_ids, order)
+    if missing is not None:
+        raise ToolError(f"Number of {missing} not found.")
+    if len(item_ids) != len(new_item_ids):
+        raise ToolError("The number of items to be exchanged should match.")
+    diff, _ = _price_diff(db, order, item_ids, new_item_ids, reject_same=False)
+    diff = round(diff, 2)
+    method = _get_payment_method(db, order["user_id"], payment_method_id)
+    if _is_gift_card(method) and method["balance"] < diff:
+        raise ToolError("Insufficient gift card balance to pay for the price difference")
+    order["status"] = "exchange requested"
+    order["exchange_items"] = sorted(item_ids)  # each list sorted on its own: the pairing is lost, as in tau2
+    order["exchange_new_items"] = sorted(new_item_ids)
+    order["exchange_payment_method_id"] = payment_method_id
+    order["exchange_price_difference"] = diff
+    return _order(order)
+
+def find_user_id_by_name_zip(db, first_name, last_name, zip):
+    """Find a user id by first name, last name (case-insensitive) and exact zip code."""
+    for user_id, u in db["users"].items():
+        if (u["name"]["first_name"].lower() == first_name.lower()
+                and u["name"]["last_name"].lower() == last_name.lower()
+                and u["address"]["zip"] == zip):
+            return user_id
+    raise ToolError("User not found")
+
+def find_user_id_by_email(db, email):
+    """Find a user id by email (case-insensitive)."""
+    for user_id, u in db["users"].items():
+        if u["email"].lower() == email.lower():
+            return user_id
+    raise ToolError("User not found")
+
+def get_order_details(db, order_id):
+    return _order(_get_order(db, order_id))
+
+def get_product_details(db, product_id):
+    return _product(_get_product(db, product_id))
+
+def get_item_details(db, item_id):
+    for p in db["products"].values():
+        if item_id in p["variants"]:
+            return _variant(p["variants"][item_id])
+    raise ToolError("Item not found")
+
+def get_user_details(db, user_id):
+    return _user(_get_user(db, user_id))
+
+def list_all_product_types(db):
+    """A JSON string mapping product names to product ids, sorted by name."""
+    return json.dumps({p["name"]: p["product_id"] for p in db["products"].values()}, sort_keys=True)
+
+def modify_pending_order_address(db, order_id, address1, address2, city, state, country, zip):
+    order = _get_order(db, order_id)
+    if "pending" not in order["status"]:  # loose check: 'pending (item modified)' passes too
+        raise ToolError("Non-pending order cannot be modified")
+    order["address"] = _new_address(address1, address2, city, state, country, zip)
+    return _order(order)
+
+def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
+    """Swap items of a pending order for other variants of the same products (once per order).
+
+    Quirk kept on purpose: tau2 writes every modified item with the price and options of the
+    LAST pair's new variant (a leftover loop variable), while item_id is set per pair. We match
+    it so that gold end states hash exactly like tau2's (tasks 20, 21, 36, 37, 100 depend on it).
+    The price difference is the raw, unrounded float sum; the gift card balance is rounded.
+    """
+    order = _get_order(db, order_id)
+    if order["status"] != "pending":
+        raise ToolError("Non-pending order cannot be modified")
+    missing = _too_many(item_ids, order)
+    if missing is not None:
+        raise ToolError(f"{missing} not found")
+    if len(item_ids) != len(new_item_ids):
+        raise ToolError("The number of items to be exchanged should match")
+    diff, variant = _price_diff(db, order, item_ids, new_item_ids, reject_same=True)
+    method = _get_payment_method(db, order["user_id"], payment_method_id)
+    if _is_gift_card(method) and method["balance"] < diff:
+        raise ToolError("Insufficient gift card balance to pay for the new item")
+    # a zero difference is recorded as a refund of 0.0 (pydantic makes the amount a float)
+    order["payment_history"].append(
+        _payment("payment" if diff > 0 else "refund", float(abs(diff)), payment_method_id))
+    if _is_gift_card(method):
+        method["balance"] = round(method["balance"] - diff, 2)
+    for item_id, new_item_id in zip(item_ids, new_item_ids):
+        item = _first_item(order, item_id)  # re-found after earlier pairs renamed items, as in tau2
+        if item is None:
+            raise ToolError(f"Item {item_id} not found")
+        item["item_id"] = new_item_id
+        item["price"] = variant["price"]  # the quirk: last pair's variant, not this pair's
+        item["options"] = dict(variant["options"])
+    order["status"] = "pending (item modified)"
+    return _order(order)
+
+def modify_pending_order_payment(db, order_id, payment_method_id):
+    order = _get_order(db, order_id)
+    if "pending" not in order["status"]:
+        raise ToolError("Non-pending order cannot be modified")
+    method = _get_payment_method(db, order["user_id"], payment_method_id)
+    history = order["payment_history"]
+    if len(history) != 1 or history[0]["transaction_type"] != "payment":
+        raise ToolError("There should be exactly one payment for a pending order")
+    old_id = history[0]["payment_method_id"]
+    if old_id == payment_method_id:
+        raise ToolError("The new payment method should be different from the current one")
+    amount = history[0]["amount"]
+    if _is_gift_card(method) and method["balance"] < amount:
+        raise ToolError("Insufficient gift card balance to pay for the order")
+    history.extend([_payment("payment", amount, payment_method_id), _payment("refund", amount, old_id)])
+    if _is_gift_card(method):
+        method["balance"] = round(method["balance"] - amount, 2)
+    old = _get_payment_method(db, order["user_id"], old_id)  # looked up after the writes, as in tau2
+    if _is_gift_card(old):
+        old["balance"] = round(old["balance"] + amount, 2)
+    return _order(order)
+
+def modify_user_address(db, user_id, address1, address2, city, state, country, zip):
+    user = _get_user(db, user_id)
+    user["address"] = _new_address(address1, address2, city, state, country, zip)
+    return _user(user)
+
+def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
+    """Request a return; the refund goes to the original method or a gift card, later."""
+    order = _get_order(db, order_id)
+    if order["status"] != "delivered":
+        raise ToolError("Non-delivered order cannot be returned")
+    user = _get_user(db, order["user_id"])
+    method = _get_payment_method(db, user["user_id"], payment_method_id)
+    if not _is_gift_card(method) and payment_method_id != order["payment_history"][0]["payment_method_id"]:
+        raise ToolError("Payment method should be the original payment method")
+    if _too_many(item_ids, order) is not None:
+        raise ToolError("Some item not found")
+    order["status"] = "return requested"
+    order["return_items"] = sorted(item_ids)
+    order["return_payment_method_id"] = payment_method_id
+    return _order(order)
+
+def transfer_to_human_agents(db, summary):
+    return "Transfer successful"
+
+TOOLS = {f.__name__: f for f in (
+    calculate, cancel_pending_order, exchange_delivered_order_items, find_user_id_by_name_zip,
+    find_user_id_by_email, get_order_details, get_product_details, get_item_details, get_user_details,
+    list_all_product_types, modify_pending_order_address, modify_pending_order_items,
+    modify_pending_order_payment, modify_user_address, return_delivered_order_items,
+    transfer_to_human_agents)}
+TOOL_NAMES = list(TOOLS)
+WRITE_TOOLS = {"cancel_pending_order", "exchange_delivered_order_items", "modify_pending_order_address",
+               "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
+               "return_delivered_order_items"}
+
+# -----------------------------------------------------------------------------
+# schemas shown to the policy (descriptions paraphrase tau2's docstrings)
+
+_ORDER_ID = "The order id, such as '#W0000000'. Be careful there is a '#' symbol at the beginning of the order id."
+_PRODUCT_ID = "The product id, such as '6086499569'. Be careful the product id is different from the item id."
+_ITEM_ID = "The item id, such as '6086499569'. Be careful the item id is different from the product id."
+_USER_ID = "The user id, such as 'sara_doe_496'."
+_PAY_ID = ("The payment method id to pay or receive refund for the item price difference, such as "
+           "'gift_card_0000000' or 'credit_card_0000000'. These can be looked up from the user or order details.")
+_ADDRESS = {
+    "address1": "The first line of the address, such as '123 Main St'.",
+    "address2": "The second line of the address, such as 'Apt 1' or ''.",
+    "city": "The city, such as 'San Francisco'.",
+    "state": "The state, such as 'CA'.",
+    "country": "The country, such as 'USA'.",
+    "zip": "The zip code, such as '12345'.",
+}
+_CONFIRM = " The agent needs to explain the {} detail and ask for explicit user confirmation (yes/no) to proceed."
+
+_STR, _LIST = "string", "array"
+_TOOL_DOCS = {
+    "calculate": ("Calculate the result of a mathematical expression.",
+                  {"expression": (_STR, "The mathematical expression to calculate, such as '2 + 2'. The expression "
+                                        "can contain numbers, operators (+, -, *, /), parentheses, and spaces.")}),
+    "cancel_pending_order": (
+        "Cancel a pending order. If the order is already processed or delivered, it cannot be cancelled."
+        + _CONFIRM.format("cancellation") + " If the user confirms, the order status will be changed to "
+        "'cancelled' and the payment will be refunded. The refund will be added to the user's gift card balance "
+        "immediately if the payment was made using a gift card, otherwise the refund would take 5-7 business days "
+        "to process. The function returns the order details after the cancellation.",
+        {"order_id": (_STR, _ORDER_ID),
+         "reason": (_STR, "The reason for cancellation, which should be either 'no longer needed' or 'ordered by mistake'.")}),
+    "exchange_delivered_order_items": (
+        "Exchange items in a delivered order to new items of the same product type. For a delivered order, "
+        "return or exchange can be only done once by the agent." + _CONFIRM.format("exchange"),
+        {"order_id": (_STR, _ORDER_ID),
+         "item_ids": (_LIST, "The item ids to be exchanged, each such as '1008292230'. There could be duplicate items in the list."),
+         "new_item_ids": (_LIST, "The item ids to be exchanged for, each such as '1008292230'. There could be duplicate "
+                                 "items in the list. Each new item id should match the item id in the same position and be of the same product."),
+         "payment_method_id": (_STR, _PAY_ID)}),
+    "find_user_id_by_name_zip": (
+        "Find user id by first name, last name, and zip code. If the user is not found, the function will return an "
+        "error message. By default, find user id by email, and only call this function if the user is not found by "
+        "email or cannot remember email.",
+        {"first_name": (_STR, "The first name of the customer, such as 'John'."),
+         "last_name": (_STR, "The last name of the customer, such as 'Doe'."),
+         "zip": (_STR, "The zip code of the customer, such as '12345'.")}),
+    "find_user_id_by_email": (
+        "Find user id by email. If the user is not found, the function will return an error message.",
+        {"email": (_STR, "The email of the user, such as 'something@example.com'.")}),
+    "get_order_details": ("Get the status and details of an order.", {"order_id": (_STR, _ORDER_ID)}),
+    "get_product_details": ("Get the inventory details of a product.", {"product_id": (_STR, _PRODUCT_ID)}),
+    "get_item_details": ("Get the inventory details of an item.", {"item_id": (_STR, _ITEM_ID)}),
+    "get_user_details": ("Get the details of a user, including their orders.", {"user_id": (_STR, _USER_ID)}),
+    "list_all_product_types": (
+        "List the name and product id of all product types. Each product type has a variety of different items "
+        "with unique item ids and options. There are only 50 product types in the store.", {}),
+    "modify_pending_order_address": (
+        "Modify the shipping address of a pending order." + _CONFIRM.format("modification"),
+        {"order_id": (_STR, _ORDER_ID), **{k: (_STR, d) for k, d in _ADDRESS.items()}}),
+    "modify_pending_order_items": (
+        "Modify items in a pending order to new items of the same product type. For a pending order, this function "
+        "can only be called once." + _CONFIRM.format("exchange"),
+        {"order_id": (_STR, _ORDER_ID),
+         "item_ids": (_LIST, "The item ids to be modified, each such as '1008292230'. There could be duplicate items in the list."),
+         "new_item_ids": (_LIST, "The item ids to be modified for, each such as '1008292230'. There could be duplicate "
+                                 "items in the list. Each new item id should match the item id in the same position and be of the same product."),
+         "payment_method_id": (_STR, _PAY_ID)}),
+    "modify_pending_order_payment": (
+        "Modify the payment method of a pending order." + _CONFIRM.format("modification"),
+        {"order_id": (_STR, _ORDER_ID), "payment_method_id": (_STR, _PAY_ID)}),
+    "modify_user_address": (
+        "Modify the default address of a user." + _CONFIRM.format("modification"),
+        {"user_id": (_STR, _USER_ID), **{k: (_STR, d) for k, d in _ADDRESS.items()}}),
+    "return_delivered_order_items": (
+        "Return some items of a delivered order. The order status will be changed to 'return requested'."
+        + _CONFIRM.format("return") + " The user will receive follow-up email for how and where to return the item.",
+        {"order_id": (_STR, _ORDER_ID),
+         "item_ids": (_LIST, "The item ids to be returned, each such as '1008292230'. There could be duplicate items in the list."),
+         "payment_method_id": (_STR, "The payment method id to pay or receive refund for the item price difference, "
+                                     "such as 'gift_card_0000000' or 'credit_card_0000000'. These can be looked up "
+                                     "from the user or order details.")}),
+    "transfer_to_human_agents": (
+        "Transfer the user to a human agent, with a summary of the user's issue. Only transfer if the user "
+        "explicitly asks for a human agent, or given the policy and the available tools, you cannot solve the "
+        "user's issue.",
+        {"summary": (_STR, "A summary of the user's issue.")}),
+}
+
+def _schema(name):
+    desc, params = _TOOL_DOCS[name]
+    props = {}
+    for arg, (typ, d) in params.items():
+        props[arg] = {"type": typ, "description": d}
+        if typ == _LIST:
+            props[arg]["items"] = {"type": "string"}
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
+        "type": "object", "properties": props, "required": list(params)}}}
+
+TOOL_SCHEMAS = [_schema(n) for n in TOOL_NAMES]
+_PARAMS = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
+
+# -----------------------------------------------------------------------------
+# call_tool: the one entry point for episodes; it never raises
+
+def _type_error(name, arg, spec, value):
+    if spec["type"] == _STR:
+        ok = isinstance(value, str)
+    else:
+        ok = isinstance(value, list) and all(isinstance(x, str) for x in value)
+    if ok:
+        return None
+    want = "a string" if spec["type"] == _STR else "an array of strings"
+    return f"Error: Argument '{arg}' of tool '{name}' must be {want}, got {json.dumps(value, default=str)[:80]}"
+
+def _check_args(name, arguments):
+    """Return an error string, or None when arguments match the tool's schema."""
+    if not isinstance(arguments, dict):
+        return f"Error: Arguments of tool '{name}' must be a JSON object, got {type(arguments).__name__}"
+    params = _PARAMS[name]
+    for arg in arguments:
+        if arg not in params["properties"]:
+            return (f"Error: Unexpected argument '{arg}' for tool '{name}'. "
+                    f"Expected: {', '.join(params['required']) or 'no arguments'}")
+    for arg in params["required"]:
+        if arg not in arguments:
+            return f"Error: Missing required argument '{arg}' for tool '{name}'"
+        err = _type_error(name, arg, params["properties"][arg], arguments[arg])
+        if err:
+            return err
+    return None
+
+def call_tool(db, name, arguments):
+    """Run one tool on db in place. Returns (content, is_error), serialised as tau2 does:
+    a plain string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
+    if not isinstance(name, str) or name not in TOOLS:
+        return f"Error: Unknown tool '{name}'. Available tools: {', '.join(TOOL_NAMES)}", True
+    if arguments is None:
+        arguments = {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            return f"Error: Invalid JSON in arguments of tool '{name}': {e}", True
+    err = _check_args(name, arguments)
+    if err:
+        return err, True
+    try:
+        result = TOOLS[name](db, **arguments)
+    except Exception as e:  # ToolError and anything unexpected: tau2 also turns every exception into 'Error: <e>'
+        return f"Error: {e}", True
+    return (result if isinstance(result, str) else json.dumps(result, default=str)), False
+
+# -----------------------------------------------------------------------------
+# tasks: tau2's tasks.json (a JSON list) or our JSONL, one task per line
+
+def _check_task(task, where):
+    if not isinstance(task, dict):
+        raise ValueError(f"{where}: task should be an object, got {type(task).__name__}")
+    if "id" not in task:
+        raise ValueError(f"{where}: task is missing 'id'")
+    if not isinstance((task.get("user_scenario") or {}).get("instructions"), (dict, str)):
+        raise ValueError(f"{where}: task {task['id']!r} is missing 'user_scenario.instructions'")
+    if not isinstance((task.get("evaluation_criteria") or {}).get("actions"), list):
+        raise ValueError(f"{where}: task {task['id']!r} is missing 'evaluation_criteria.actions'")
+
+def _load_json_list(text, path):
+    """Decode a JSON list element by element so an error can name the line of the bad task."""
+    dec, tasks = json.JSONDecoder(), []
+    line = lambda pos: text.count("\n", 0, pos) + 1
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1  # commas are skipped loosely; json.loads-valid files are all we promise to read
+        if pos >= len(text):
+            raise ValueError(f"{path}:{line(pos)}: unterminated JSON list")
+        if text[pos] == "]":
+            return tasks
+        try:
+            task, end = dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        _check_task(task, f"{path}:{line(pos)}")
+        tasks.append(task)
+        pos = end
+
+def load_tasks(path):
+    with open(path) as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
+        return _load_json_list(text, path)
+    tasks = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            task = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+        _check_task(task, f"{path}:{lineno}")
+        tasks.append(task)
+    return tasks
+
+def save_tasks(tasks, path):
+    with open(path, "w") as f:
+        for t in tasks:
+            f.write(json.dumps(t) + "\n")
+
+# -----------------------------------------------------------------------------
+# reward: replay the gold actions on a fresh copy and compare hashes, as tau2's evaluator does
+
+def replay_actions(db, actions):
+    """Run each action on db in place; failures are kept as results, never raised (tau2 logs and goes on)."""
+    return [call_tool(db, a["name"], a.get("arguments") or {}) for a in actions]
+
+def gold_db(task, initial_db):
+    """The end state the gold actions reach from initial_db (which is left untouched)."""
+    # canonical_db builds fresh containers all the way down, so it is a deep copy (6x faster than
+    # copy.deepcopy) and, like tau2's fresh pydantic environment, keeps only the model's fields
+    db = canonical_db(initial_db)
+    replay_actions(db, task["evaluation_criteria"]["actions"])
+    return db
+
+@dataclass
+class RewardInfo:
+    reward: float
+    db_match: bool
+    communicate_ok: bool | None  # None when the check was not run
+    failed: str  # "", "db" or "communicate": the first part that failed
+
+def _communicated(info, messages):
+    # tau2 / tau-bench: case-insensitive substring of an assistant message with its commas removed
+    return any(m.get("role") == "assistant" and isinstance(m.get("content"), str)
+               and info.lower() in m["content"].lower().replace(",", "") for m in messages)
+
+def compute_reward(task, initial_db, final_db, messages=None, check_communicate=False):
+    db_match = db_hash(final_db) == db_hash(gold_db(task, initial_db))
+    communicate_ok = None
+    if check_communicate:
+        infos = task["evaluation_criteria"].get("communicate_info") or []
+        communicate_ok = all(_communicated(i, messages or []) for i in infos)
+    failed = "db" if not db_match else ("communicate" if communicate_ok is False else "")
+    return RewardInfo(reward=0.0 if failed else 1.0, db_match=db_match, communicate_ok=communicate_ok, failed=failed)
