@@ -9,11 +9,18 @@ tau2's. `call_tool` is the only entry point an episode needs: it validates the a
 TOOL_SCHEMAS and never raises. The reward replays a task's gold actions on a fresh copy of the
 db and compares hashes, as tau2's environment evaluator does.
 
-Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward.
+Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward -> generated shop and
+tasks -> user simulators -> MCP server (`python env.py --mcp-server --db PATH`).
 """
 
+import argparse
 import hashlib
 import json
+import os
+import random
+import re
+import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 
 # -----------------------------------------------------------------------------
@@ -753,3 +760,445 @@ def compute_reward(task, initial_db, final_db, messages=None, check_communicate=
         communicate_ok = all(_communicated(i, messages or []) for i in infos)
     failed = "db" if not db_match else ("communicate" if communicate_ok is False else "")
     return RewardInfo(reward=0.0 if failed else 1.0, db_match=db_match, communicate_ok=communicate_ok, failed=failed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# a generated shop and tasks over it, so everything runs with no external files
+
+PRODUCTS = {  # name -> (option name, option values, base price); one option each keeps the demo learnable
+    "T-Shirt": ("color", ["black", "white", "blue", "red", "green"], 24.0),
+    "Water Bottle": ("capacity", ["500ml", "750ml", "1000ml"], 18.0),
+    "Desk Lamp": ("power source", ["battery", "USB", "AC adapter"], 45.0),
+    "Backpack": ("color", ["black", "grey", "navy", "olive"], 60.0),
+    "Sneakers": ("size", ["7", "8", "9", "10", "11"], 80.0),
+    "Headphones": ("type", ["over-ear", "on-ear", "in-ear"], 120.0),
+    "Coffee Maker": ("capacity", ["4 cups", "8 cups", "12 cups"], 70.0),
+    "Yoga Mat": ("thickness", ["4mm", "6mm", "8mm"], 30.0),
+    "Wall Clock": ("style", ["modern", "vintage", "minimalist"], 35.0),
+    "Notebook": ("paper", ["lined", "dotted", "blank"], 9.0),
+    "Umbrella": ("size", ["compact", "standard", "golf"], 22.0),
+    "Sunglasses": ("lens", ["polarized", "mirrored", "gradient"], 95.0),
+}
+FIRST = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam",
+         "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yara", "Zoe"]
+LAST = ["Smith", "Garcia", "Kim", "Novak", "Rossi", "Silva", "Brown", "Khan", "Lopez", "Muller", "Ito", "Patel"]
+STREETS = ["Oak St", "Maple Ave", "Pine Rd", "Cedar Ln", "Elm St", "Lake Dr", "Hill Rd", "River Way"]
+CITIES = [("Austin", "TX", "787"), ("Denver", "CO", "802"), ("Seattle", "WA", "981"), ("Boston", "MA", "021"),
+          ("Phoenix", "AZ", "850"), ("Chicago", "IL", "606")]
+
+
+def _digits(rng, n):
+    return str(rng.randrange(10 ** (n - 1), 10 ** n))
+
+
+def _random_address(rng):
+    city, state, zip3 = rng.choice(CITIES)
+    return {"address1": f"{rng.randrange(10, 999)} {rng.choice(STREETS)}",
+            "address2": rng.choice(["", f"Apt {rng.randrange(1, 40)}"]),
+            "city": city, "country": "USA", "state": state, "zip": zip3 + _digits(rng, 2)}
+
+
+def generate_shop(seed=0, n_users=60):
+    """A small shop in tau2's retail schema: 12 products, `n_users` users, 2-4 orders each."""
+    rng = random.Random(seed)
+    db = {"products": {}, "users": {}, "orders": {}}
+    for name, (opt, values, base) in PRODUCTS.items():
+        pid = _digits(rng, 10)
+        variants = {}
+        for v in values:
+            iid = _digits(rng, 10)
+            variants[iid] = {"item_id": iid, "options": {opt: v}, "available": rng.random() > 0.15,
+                             "price": round(base * rng.uniform(0.8, 1.25), 2)}
+        db["products"][pid] = {"name": name, "product_id": pid, "variants": variants}
+    names = set()
+    while len(names) < n_users:
+        names.add((rng.choice(FIRST), rng.choice(LAST)))
+    for first, last in sorted(names, key=lambda n: rng.random()):
+        _add_user(db, rng, first, last)
+    return db
+
+
+def _add_user(db, rng, first, last):
+    uid = f"{first.lower()}_{last.lower()}_{_digits(rng, 4)}"
+    pms = {}
+    for source in rng.sample(["credit_card", "paypal", "gift_card"], rng.randrange(1, 4)):
+        pm = {"source": source, "id": f"{source}_{_digits(rng, 7)}"}
+        if source == "credit_card":
+            pm.update(brand=rng.choice(["visa", "mastercard"]), last_four=_digits(rng, 4))
+        if source == "gift_card":
+            pm["balance"] = float(rng.randrange(0, 300))
+        pms[pm["id"]] = pm
+    user = {"user_id": uid, "name": {"first_name": first, "last_name": last}, "address": _random_address(rng),
+            "email": f"{first.lower()}.{last.lower()}{_digits(rng, 4)}@example.com",
+            "payment_methods": pms, "orders": []}
+    db["users"][uid] = user
+    for _ in range(rng.randrange(2, 5)):
+        _add_order(db, rng, user)
+
+
+def _add_order(db, rng, user):
+    oid = "#W" + _digits(rng, 7)
+    items = []
+    for p in rng.sample(list(db["products"].values()), rng.randrange(1, 4)):
+        v = rng.choice(list(p["variants"].values()))
+        items.append({"name": p["name"], "product_id": p["product_id"], "item_id": v["item_id"],
+                      "price": v["price"], "options": dict(v["options"])})
+    status = rng.choice(["pending", "pending", "delivered", "delivered", "processed", "cancelled"])
+    pm = rng.choice(list(user["payment_methods"]))
+    total = round(sum(i["price"] for i in items), 2)
+    order = {"order_id": oid, "user_id": user["user_id"], "address": dict(user["address"]), "items": items,
+             "status": status, "fulfillments": [], "payment_history": [
+                 {"transaction_type": "payment", "amount": total, "payment_method_id": pm}]}
+    if status in ("delivered", "processed"):
+        order["fulfillments"] = [{"tracking_id": [_digits(rng, 12)], "item_ids": [i["item_id"] for i in items]}]
+    if status == "cancelled":
+        order["cancel_reason"] = rng.choice(["no longer needed", "ordered by mistake"])
+        order["payment_history"].append({"transaction_type": "refund", "amount": total, "payment_method_id": pm})
+    db["orders"][oid] = order
+    user["orders"].append(oid)
+
+
+TASK_KINDS = ["cancel", "modify_items", "modify_address", "modify_payment", "return", "exchange",
+              "user_address", "info", "switch"]
+REASONS = {"no longer needed": ["I no longer need it", "I don't need it anymore"],
+           "ordered by mistake": ["I ordered it by mistake", "I bought it by accident"]}
+SOURCE_WORDS = {"credit_card": "credit card", "paypal": "paypal", "gift_card": "gift card"}
+
+
+def _act(name, **arguments):
+    return {"action_id": "", "name": name, "arguments": arguments}
+
+
+def _orders(db, user, status):
+    return [db["orders"][o] for o in user["orders"] if db["orders"][o]["status"] == status]
+
+
+def _other_variant(db, item, rng):
+    """A different, available variant of the item's product, or None."""
+    vs = [v for v in db["products"][item["product_id"]]["variants"].values()
+          if v["available"] and v["item_id"] != item["item_id"]]
+    return rng.choice(vs) if vs else None
+
+
+def _phase(db, user, kind, rng, order=None):
+    """One request a user can make: what they say, the reads and write that serve it, what the agent's
+    confirmation must mention. None when this user has nothing to make that request about."""
+    uid, pms = user["user_id"], user["payment_methods"]
+    status = {"cancel": "pending", "modify_items": "pending", "modify_address": "pending",
+              "modify_payment": "pending", "return": "delivered", "exchange": "delivered"}.get(kind)
+    if status:
+        candidates = [order] if order else _orders(db, user, status)
+        if not candidates or candidates[0]["status"] != status:
+            return None
+        order = rng.choice(candidates)
+    oid = order["order_id"] if order else None
+    reads = [_act("get_order_details", order_id=oid)] if oid else []
+    if kind == "cancel":
+        reason = rng.choice(list(REASONS))
+        why = REASONS[reason]
+        say = [f"I want to cancel my order {oid} because {why[0]}.", f"Please cancel order {oid}, {why[1]}."]
+        return dict(say=say, reads=reads, write=_act("cancel_pending_order", order_id=oid, reason=reason),
+                    confirm_keys=[oid, "cancel", reason])
+    if kind in ("modify_items", "exchange"):
+        item = rng.choice(order["items"])
+        new = _other_variant(db, item, rng)
+        src = rng.choice(list(pms))
+        if new is None:
+            return None
+        (opt, val), = new["options"].items()
+        verb = "change" if kind == "modify_items" else "exchange"
+        pay = f"Use my {SOURCE_WORDS[pms[src]['source']]} for any price difference."
+        say = [f"I'd like to {verb} the {item['name']} in order {oid} for the {val} one. {pay}",
+               f"In my order {oid}, please {verb} the {item['name']} to {opt} {val}. {pay}"]
+        tool = "modify_pending_order_items" if kind == "modify_items" else "exchange_delivered_order_items"
+        write = _act(tool, order_id=oid, item_ids=[item["item_id"]], new_item_ids=[new["item_id"]],
+                     payment_method_id=src)
+        return dict(say=say, reads=reads + [_act("get_product_details", product_id=item["product_id"])],
+                    write=write, confirm_keys=[oid, val])
+    if kind in ("modify_address", "user_address"):
+        a = _random_address(rng)
+        where = f"{a['address1']}{', ' + a['address2'] if a['address2'] else ''}, {a['city']}, {a['state']} {a['zip']}"
+        if kind == "modify_address":
+            say = [f"Please change the shipping address of order {oid} to {where}.",
+                   f"I need order {oid} shipped to a new address: {where}."]
+            write = _act("modify_pending_order_address", order_id=oid, **a)
+            return dict(say=say, reads=reads, write=write, confirm_keys=[oid, a["address1"]])
+        say = [f"I moved. Please update my default address to {where}.",
+               f"Can you change the address on my account to {where}?"]
+        return dict(say=say, reads=[], write=_act("modify_user_address", user_id=uid, **a),
+                    confirm_keys=[a["address1"]])
+    if kind == "modify_payment":
+        paid = order["payment_history"][0]
+        others = [p for p in pms if p != paid["payment_method_id"]
+                  and (pms[p]["source"] != "gift_card" or pms[p]["balance"] >= paid["amount"])]
+        if not others:
+            return None
+        new = rng.choice(others)
+        word = SOURCE_WORDS[pms[new]["source"]]
+        say = [f"I want to pay for order {oid} with my {word} instead.",
+               f"Could you switch the payment method of order {oid} to my {word}?"]
+        return dict(say=say, reads=reads, write=_act("modify_pending_order_payment", order_id=oid,
+                                                     payment_method_id=new), confirm_keys=[oid, new])
+    if kind == "return":
+        item = rng.choice(order["items"])
+        say = [f"I want to return the {item['name']} from order {oid}.",
+               f"I'd like to send back the {item['name']} I got in order {oid}."]
+        write = _act("return_delivered_order_items", order_id=oid, item_ids=[item["item_id"]],
+                     payment_method_id=order["payment_history"][0]["payment_method_id"])
+        return dict(say=say, reads=reads, write=write, confirm_keys=[oid, item["name"]])
+    if kind == "info":
+        order = order or rng.choice([db["orders"][o] for o in user["orders"]])
+        oid = order["order_id"]
+        total = json.dumps(order["payment_history"][0]["amount"])
+        say = [f"How much did I pay for order {oid}?", f"Can you tell me the total I paid for order {oid}?"]
+        return dict(say=say, reads=[_act("get_order_details", order_id=oid)], write=None,
+                    answer=f"You paid {total} for order {oid}.", answer_keys=[total])
+    raise ValueError(f"unknown task kind {kind!r}")
+
+
+def _make_task(db, user, kind, rng):
+    if kind == "switch":  # cancel, then at the confirmation prefer another request on the same order
+        first = _phase(db, user, "cancel", rng)
+        if first is None:
+            return None
+        order = db["orders"][first["write"]["arguments"]["order_id"]]
+        second = _phase(db, user, rng.choice(["modify_address", "modify_payment"]), rng, order)
+        phases = [first, second] if second else None
+    else:
+        p = _phase(db, user, kind, rng)
+        phases = [p] if p else None
+    if phases is None:
+        return None
+    knows_email = rng.random() < 0.6
+    first_name, last_name, zipc = user["name"]["first_name"], user["name"]["last_name"], user["address"]["zip"]
+    ident = (_act("find_user_id_by_email", email=user["email"]) if knows_email else
+             _act("find_user_id_by_name_zip", first_name=first_name, last_name=last_name, zip=zipc))
+    last = phases[-1]
+    actions = [ident, _act("get_user_details", user_id=user["user_id"])] + last["reads"]
+    actions += [last["write"]] if last["write"] else []
+    reason = " ".join(p["say"][0] for p in phases[:1])
+    if len(phases) > 1:
+        reason += (" When the agent asks you to confirm, change your mind: you would rather keep the order. "
+                   + phases[1]["say"][0])
+    return {
+        "id": "", "kind": kind,
+        "user_scenario": {"instructions": {
+            "domain": "retail", "reason_for_call": reason,
+            "known_info": (f"Your email is {user['email']}." if knows_email else "")
+            + f" You are {first_name} {last_name}, zip code {zipc}.",
+            "unknown_info": "" if knows_email else "You do not remember your email address.",
+            "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
+        "evaluation_criteria": {"actions": actions,
+                                "communicate_info": last.get("answer_keys", [])},
+        "script": {"email": user["email"] if knows_email else None, "first_name": first_name,
+                   "last_name": last_name, "zip": zipc, "user_id": user["user_id"], "phases": phases},
+    }
+
+
+def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
+    """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
+    rng = random.Random(seed)
+    uids = sorted(db["users"])
+    rng.shuffle(uids)
+    n_test_users = max(1, int(len(uids) * test_frac))
+    splits = {"test": uids[:n_test_users], "train": uids[n_test_users:]}
+    out = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        tasks = []
+        while len(tasks) < n:
+            kind = TASK_KINDS[len(tasks) % len(TASK_KINDS)]
+            for _ in range(50):  # not every user can make every request
+                t = _make_task(db, db["users"][rng.choice(splits[split])], kind, rng)
+                if t:
+                    break
+            t["id"] = f"{split}_{len(tasks)}"
+            for j, a in enumerate(t["evaluation_criteria"]["actions"]):
+                a["action_id"] = f"{t['id']}_{j}"
+            tasks.append(t)
+        out[split] = tasks
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# user simulators. Both follow one interface: start() -> first message, respond(agent_text) -> next message,
+# and the attributes done, end_reason ("user_stop", "transfer", "out_of_scope", "user_error"), error.
+
+STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
+ASKS_ID = re.compile(r"\b(e-?mail|zip|verify|authenticat|identif)", re.I)
+ASKS_YES = re.compile(r"\b(yes/no|confirm|proceed|shall i|should i|go ahead)\b", re.I)
+
+
+class ScriptedUser:
+    """Plays a generated task from its script. It states its reason, gives identification only when asked
+    (and never what the task says it does not know), says yes only to a confirmation that names what it
+    wants, changes its mind where the script has a second phase, and ends with ###STOP###. Wording is
+    drawn from a seeded RNG so two trials of one task differ."""
+
+    def __init__(self, task, seed=0, patience=4):
+        self.s, self.rng = task["script"], random.Random(seed)
+        self.phase, self.identified, self.confirmed, self.lost = 0, False, False, 0
+        self.patience = patience  # unhelpful agent turns tolerated before giving up
+        self.done, self.end_reason, self.error = False, None, None
+
+    def _pick(self, options):
+        return self.rng.choice(options)
+
+    def start(self):
+        hi = self._pick(["Hi.", "Hello!", "Hey there.", "Hi, I need some help."])
+        return f"{hi} {self._pick(self.s['phases'][0]['say'])}"
+
+    def _identity(self, agent):
+        s = self.s
+        name_zip = f"My name is {s['first_name']} {s['last_name']} and my zip code is {s['zip']}."
+        if s["email"] is None:
+            return self._pick(["I don't remember my email. ", "I can't recall my email address. "]) + name_zip
+        if "email" in agent.lower() or "e-mail" in agent.lower():
+            return self._pick([f"Sure, my email is {s['email']}.", f"It's {s['email']}."])
+        return name_zip
+
+    def _stop(self, text):
+        self.done, self.end_reason = True, "user_stop"
+        return f"{text} {STOP}"
+
+    def respond(self, agent_text):
+        phase = self.s["phases"][self.phase]
+        low = agent_text.lower()
+        if self.confirmed:  # the action was confirmed; whatever the agent says now ends the call
+            return self._stop(self._pick(["Thanks, that's all.", "Great, thank you!", "Perfect, bye."]))
+        if "answer_keys" in phase and all(k.lower() in low for k in phase["answer_keys"]):
+            return self._stop(self._pick(["Thanks, that's what I needed.", "Great, thank you!"]))
+        if ASKS_ID.search(agent_text) and not self.identified:
+            self.identified = True
+            return self._identity(agent_text)
+        if ASKS_YES.search(agent_text) and phase.get("write"):
+            if self.phase + 1 < len(self.s["phases"]):  # the script changes its mind here
+                self.phase += 1
+                nxt = self.s["phases"][self.phase]
+                return self._pick(["Actually, wait. I changed my mind. ", "Hmm, no. On second thought, "]) + \
+                    self._pick(nxt["say"])
+            if all(k.lower() in low for k in phase["confirm_keys"]):
+                self.confirmed = True
+                return self._pick(["Yes, please.", "Yes.", "Yes, go ahead."])
+            return "No, that's not what I want. " + self._pick(phase["say"])
+        self.lost += 1
+        if self.lost > self.patience:
+            return self._stop("I'll try another time.")
+        if ASKS_ID.search(agent_text):
+            return self._identity(agent_text)
+        return self._pick(["", "As I said, ", "Let me repeat: "]) + self._pick(phase["say"])
+
+
+def start_all(users):
+    """First messages of a batch of users (LLM users sharing a backend are asked in one call)."""
+    return [u.start() for u in users]
+
+
+def respond_all(users, agent_texts):
+    return [u.respond(t) for u, t in zip(users, agent_texts)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# MCP server: the same 16 tools over the Model Context Protocol (stdio), for synth.py --tools mcp.
+# Starting a server costs ~1.5 s, a db copy ~10 ms, so one server holds several independent episode dbs,
+# keyed by the request's _meta["mua-rl/episode"] (MCP's slot for per-request metadata); the tool list stays
+# exactly the 16 agent tools. A new episode id gets a fresh copy of the db, made on first use. Calls without
+# the key use the session db, so a generic MCP client sees plain stateful behaviour. An episode's db is
+# readable as the resource mua-rl://db/<episode> (the caller scores the reward from it). Only the
+# `max_episodes` most recent episodes are kept; touching an evicted one is an error, not a silent restart.
+
+EPISODE_KEY = "mua-rl/episode"
+DB_URI = "mua-rl://db"
+
+
+# ----------------------------------------------------------------------------- server
+
+def make_server(db, max_episodes=16):
+    """A low-level MCP Server over `db` (the session db, mutated in place by calls without an episode)."""
+    import mcp.types as types
+    from mcp.server.lowlevel import Server
+    from mcp.shared.exceptions import MCPError
+
+    pristine = json.dumps(db)  # json round trip is exact for the db (plain JSON values) and 3x faster than deepcopy
+    episodes = OrderedDict()   # episode id -> db, least recently used first
+    evicted = set()
+    tools = [types.Tool(name=f["name"], description=f["description"], input_schema=f["parameters"])
+             for f in (s["function"] for s in TOOL_SCHEMAS)]
+
+    def lookup(episode, create):
+        if not episode:
+            return db
+        if episode in episodes:
+            episodes.move_to_end(episode)
+            return episodes[episode]
+        if episode in evicted:
+            raise KeyError(f"episode {episode} expired (the server keeps the {max_episodes} most recent)")
+        fresh = json.loads(pristine)
+        if not create:  # reading an untouched episode must not evict a live one
+            return fresh
+        episodes[episode] = fresh
+        while len(episodes) > max_episodes:
+            evicted.add(episodes.popitem(last=False)[0])
+        return fresh
+
+    async def on_list_tools(ctx, params):
+        return types.ListToolsResult(tools=tools)
+
+    async def on_call_tool(ctx, params):
+        # No awaits below: each call runs atomically even when requests are served concurrently.
+        try:
+            episode_db = lookup((params.meta or {}).get(EPISODE_KEY), create=True)
+        except KeyError as e:
+            content, is_error = f"Error: {e.args[0]}", True
+        else:
+            args = params.arguments if params.arguments is not None else {}  # MCP: omitted = no arguments
+            content, is_error = call_tool(episode_db, params.name, args)
+        return types.CallToolResult(content=[types.TextContent(text=content)], is_error=is_error)
+
+    async def on_list_resources(ctx, params):
+        return types.ListResourcesResult(resources=[types.Resource(
+            uri=DB_URI, name="db", description="the session's retail db", mime_type="application/json")])
+
+    async def on_list_resource_templates(ctx, params):
+        return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
+            uri_template=DB_URI + "/{episode}", name="episode db", mime_type="application/json",
+            description=f"the retail db of the episode named by _meta['{EPISODE_KEY}'] in tools/call")])
+
+    async def on_read_resource(ctx, params):
+        uri = str(params.uri)
+        if uri != DB_URI and not uri.startswith(DB_URI + "/"):
+            raise MCPError(types.INVALID_PARAMS, f"unknown resource {uri}")
+        try:
+            episode_db = lookup(uri[len(DB_URI) + 1:], create=False)
+        except KeyError as e:
+            raise MCPError(types.INVALID_PARAMS, e.args[0])
+        return types.ReadResourceResult(contents=[types.TextResourceContents(
+            uri=uri, mime_type="application/json", text=json.dumps(episode_db))])
+
+    return Server("mua-rl-retail", version="0.1", on_list_tools=on_list_tools, on_call_tool=on_call_tool,
+                  on_list_resources=on_list_resources, on_list_resource_templates=on_list_resource_templates,
+                  on_read_resource=on_read_resource)
+
+
+def serve_mcp(db_path, max_episodes=16):
+    """Serve the retail tools over stdio until stdin closes. stdout is the wire: log to stderr only."""
+    import anyio
+    from mcp.server.stdio import stdio_server
+
+    server = make_server(load_db(db_path), max_episodes)
+
+    async def run():
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    print(f"mcp server pid {os.getpid()} serving {db_path}", file=sys.stderr, flush=True)
+    anyio.run(run)
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="Serve the retail tools as a stdio MCP server.")
+    ap.add_argument("--mcp-server", action="store_true", help="run the stdio MCP server")
+    ap.add_argument("--db", required=True, help="a db.json in tau2's retail schema")
+    ap.add_argument("--max-episodes", type=int, default=16)
+    args = ap.parse_args()
+    if not args.mcp_server:
+        ap.error("only --mcp-server is supported")
+    serve_mcp(args.db, args.max_episodes)

@@ -1,0 +1,321 @@
+"""
+sft.py: cold-start supervised fine-tuning on synthesized conversations, in plain PyTorch.
+
+    python sft.py                                        # tiny Qwen3-style model from scratch (CPU, minutes)
+    python sft.py --model /path/to/SmolLM2-135M-Instruct --lr 5e-5 --steps 20
+    torchrun --nproc_per_node 8 sft.py --model Qwen/Qwen3-0.6B --batch-size 4 --grad-accum 4 --lr 1e-5
+
+The loss is on the agent's tokens only, with the same rendering and masking code rollouts use
+(rollout.encode_conversation). Checkpoints are save_pretrained folders (plus optimizer and step state),
+written atomically; --resume continues a killed run from the last one.
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+import env
+from rollout import SYSTEM_PROMPT, encode_conversation, render
+
+# ----------------------------------------------------------------------------------------------------
+# the tiny default: a byte-level BPE trained on the data, a compact ChatML template, a small Qwen3
+
+# ChatML, but the tool schemas become one line of signatures so a short context holds a whole conversation.
+# Tool calls are rendered in the Hermes format that rollout.parse_assistant reads.
+TINY_CHAT_TEMPLATE = (
+    "{%- if messages[0].role == 'system' or tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
+    "{%- if tools -%}{{- '\\nTools:' -}}"
+    "{%- for t in tools -%}{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | list | join(',')) + ')' -}}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
+    "{%- for tc in (m.tool_calls or []) -%}"
+    "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role != 'system' -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+
+
+def build_tiny_tokenizer(texts, vocab_size=2048):
+    """Byte-level BPE trained on `texts`. Digit runs are pre-split from their neighbours, so an id is the same
+    tokens wherever it appears (in a user message, a JSON result, a tool call) and can be copied."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=False),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=TINY_CHAT_TEMPLATE, model_max_length=4096)
+
+
+def build_tiny_model(tok, d_model=128, n_layer=4, n_head=4, max_len=4096, seed=0):
+    """A fresh small Qwen3 (the architecture of the GPU recipe, scaled down). ~1M parameters by default."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=d_model, intermediate_size=3 * d_model,
+                      num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head,
+                      head_dim=d_model // n_head, max_position_embeddings=max_len, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    return Qwen3ForCausalLM(cfg)
+
+
+def make_tiny(conversations, vocab_size, d_model, n_layer, n_head, seed):
+    """Tokenizer trained on the rendered training conversations, then a fresh model sized to it."""
+    boot = build_tiny_tokenizer((json.dumps(c["messages"]) for c in conversations), 512)  # only to render
+    texts = [render(boot, c["messages"], c.get("tools")) for c in conversations]
+    tok = build_tiny_tokenizer(texts, vocab_size)
+    return tok, build_tiny_model(tok, d_model, n_layer, n_head, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
+
+
+def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
+    """Write out_dir/step_N atomically: into a temp folder, renamed when complete, then point `latest` at it."""
+    name = f"step_{step:06d}"
+    tmp, final = os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    unwrap(model).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None, **(extra or {})},
+               os.path.join(tmp, "train_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+        f.write(name)
+    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    for old in os.listdir(out_dir):  # keep the newest two
+        if old.startswith("step_") and not old.endswith(".tmp") and old < f"step_{step - 1:06d}" and old != name:
+            shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    return final
+
+
+def resolve_checkpoint(path):
+    """A run folder (with `latest`) or a checkpoint folder or a hub id -> what from_pretrained loads."""
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        return os.path.join(path, open(latest).read().strip())
+    return path
+
+
+def load_model(path, dtype=torch.float32, device="cpu"):
+    path = resolve_checkpoint(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model, tok
+
+
+def unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+# ----------------------------------------------------------------------------------------------------
+# distributed: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; alone, everything is rank 0 of 1
+
+
+def setup_distributed():
+    if "RANK" not in os.environ:
+        return 0, 1, "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu"
+    return rank, world, device
+
+
+def all_reduce_sum(x):
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def lr_at(step, total, lr, warmup):
+    """Linear warmup then cosine to 10% of the peak."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def pad_batch(seqs, pad_id, device):
+    """Right-pad lists of (ids, mask) -> ids (B, T), loss mask (B, T), attention mask (B, T)."""
+    T = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    lmask = torch.zeros((len(seqs), T), dtype=torch.float)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, (i, m) in enumerate(seqs):
+        ids[b, :len(i)], lmask[b, :len(m)], attn[b, :len(i)] = torch.tensor(i), torch.tensor(m, dtype=torch.float), 1
+    return ids.to(device), lmask.to(device), attn.to(device)
+
+
+def token_logprobs(model, ids, attn, temperature=1.0):
+    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature."""
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def autocast(device):
+    on_gpu = str(device).startswith("cuda") and torch.cuda.is_bf16_supported()
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
+
+
+# ----------------------------------------------------------------------------------------------------
+# training
+
+
+def load_conversations(path):
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    c = json.loads(line)
+                    assert isinstance(c.get("messages"), list), "no 'messages' list"
+                except (json.JSONDecodeError, AssertionError) as e:
+                    raise ValueError(f"{path}:{n}: not a conversation ({e})") from None
+                out.append(c)
+    return out
+
+
+def micro_loss(model, batch, total_tokens, device):
+    """Sum of agent-token NLL in this micro-batch divided by the agent tokens of the whole global batch,
+    so that gradient accumulation and ranks add up to a token-level mean."""
+    ids, lmask, attn = pad_batch(batch, 0, device)
+    with autocast(device):
+        lp = token_logprobs(model, ids, attn)
+    return -(lp * lmask[:, 1:]).sum() / total_tokens
+
+
+@torch.no_grad()
+def eval_loss(model, data, batch_size, device):
+    model.eval()
+    tot, n = 0.0, 0
+    for i in range(0, len(data), batch_size):
+        batch = data[i:i + batch_size]
+        k = sum(sum(m[1:]) for _, m in batch)
+        tot += float(micro_loss(model, batch, 1.0, device))
+        n += k
+    model.train()
+    return tot / max(1, n)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="data/sft.jsonl")        # synth.py's output
+    p.add_argument("--model", default="tiny")                 # "tiny" or a path / hub id of a chat model
+    p.add_argument("--out", default="out/sft")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8)       # conversations per micro-batch (per rank)
+    p.add_argument("--grad-accum", type=int, default=1)       # micro-batches per optimizer step
+    p.add_argument("--lr", type=float, default=3e-3)          # tiny model from scratch; ~1e-5 for a pretrained 8B
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--max-len", type=int, default=2048)       # conversations are truncated to this many tokens
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-frac", type=float, default=0.05)   # held-out conversations for the eval loss
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    # the tiny model (only with --model tiny)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    args = p.parse_args()
+    train(args)
+
+
+def train(args):
+    rank, world, device = setup_distributed()
+    torch.manual_seed(args.seed)
+    convs = load_conversations(args.data)
+    random.Random(args.seed).shuffle(convs)
+    os.makedirs(args.out, exist_ok=True)
+    start = 0
+    if args.resume and os.path.isfile(os.path.join(args.out, "latest")):
+        model, tok = load_model(args.out, device=device)
+        state = torch.load(os.path.join(resolve_checkpoint(args.out), "train_state.pt"), weights_only=False)
+        start = state["step"]
+    elif args.model == "tiny":
+        tok, model = make_tiny(convs, args.vocab_size, args.d_model, args.n_layer, args.n_head, args.seed)
+        model.to(device)
+        if rank == 0:  # the untrained model is the "base" row of the evaluation table
+            save_checkpoint(os.path.join(args.out, "init"), 0, model, tok)
+    else:
+        model, tok = load_model(args.model, device=device)
+    data = [encode_conversation(tok, c["messages"], c.get("tools")) for c in convs]
+    data = [(i[:args.max_len], m[:args.max_len]) for i, m in data]
+    n_eval = max(1, int(len(data) * args.eval_frac))
+    held, data = data[:n_eval], data[n_eval:]
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    if start:
+        opt.load_state_dict(state["optimizer"])
+    log = open(os.path.join(args.out, "metrics.jsonl"), "a") if rank == 0 else None
+    per_step = args.batch_size * args.grad_accum * world
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, desc="sft")
+    for step in bar:
+        t0 = time.time()
+        # the global batch of this step depends only on (seed, step), so a resumed run sees the same data
+        order = random.Random(args.seed * 1000003 + step // max(1, len(data) // per_step)).sample(
+            range(len(data)), len(data))
+        k = step % max(1, len(data) // per_step)
+        glob = [data[j] for j in order[k * per_step:(k + 1) * per_step]]
+        mine = glob[rank::world]
+        total = float(sum(sum(m[1:]) for _, m in glob))  # agent tokens in the global batch
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        loss_sum = 0.0
+        for a in range(args.grad_accum):
+            mb = mine[a * args.batch_size:(a + 1) * args.batch_size]
+            if not mb:
+                continue
+            loss = micro_loss(model, mb, total, device) * world  # DDP averages gradients over ranks
+            loss.backward()
+            loss_sum += float(loss) / world
+        loss_t = all_reduce_sum(torch.tensor(loss_sum))
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec = {"step": step + 1, "loss": float(loss_t), "lr": opt.param_groups[0]["lr"],
+               "grad_norm": float(gnorm), "tokens": total, "sec": round(time.time() - t0, 3)}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            rec["eval_loss"] = eval_loss(unwrap(model), held, args.batch_size, device)
+        if rank == 0:
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", **({"eval": f"{rec['eval_loss']:.3f}"} if "eval_loss" in rec else {}))
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+                save_checkpoint(args.out, step + 1, model, tok, opt)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return model, tok
+
+
+if __name__ == "__main__":
+    main()
