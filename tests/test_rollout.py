@@ -1,0 +1,442 @@
+"""rollout.py: token-in/token-out episodes, loss masks and sampling log-probs with a tiny random model,
+encode_conversation, tool-call parsing and execution, db isolation, and the template prefix check."""
+
+import collections
+import copy
+import json
+
+import pytest
+import torch
+
+import env
+import rollout
+import sft
+import synth
+
+SEED = 0
+EOT = "<|im_end|>"
+
+
+def scripted(t, s):
+    return env.ScriptedUser(t, s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The model is tiny: with 2 cores shared with other jobs, OpenMP threads mostly wait on each other
+    # (a 10x slowdown measured). One thread is faster and steadier.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def db():
+    return env.generate_shop(SEED)
+
+
+@pytest.fixture(scope="module")
+def tasks(db):
+    """Two tasks of every kind (distinct first messages, so a prompt identifies its episode)."""
+    kinds = collections.defaultdict(list)
+    for t in env.generate_tasks(db, SEED, n_train=90, n_test=9)["train"]:
+        kinds[t["kind"]].append(t)
+    return [t for k in env.TASK_KINDS for t in kinds[k][:2]]
+
+
+@pytest.fixture(scope="module")
+def oracle_eps(tasks, db):
+    return rollout.run_episodes(None, None, tasks, db, make_user=scripted,
+                                make_agent=lambda t, s: synth.OracleAgent(t, s))
+
+
+@pytest.fixture(scope="module")
+def tok(oracle_eps):
+    # as sft.make_tiny: a throwaway tokenizer only to render, then the real one trained on rendered text
+    convs = [e.messages for e in oracle_eps]
+    boot = sft.build_tiny_tokenizer((json.dumps(m) for m in convs), 512)
+    texts = [rollout.render(boot, m, env.TOOL_SCHEMAS) for m in convs]
+    return sft.build_tiny_tokenizer(texts, 1024)
+
+
+@pytest.fixture(scope="module")
+def tok_pad_eos(tok):
+    t = copy.deepcopy(tok)
+    t.pad_token = t.eos_token
+    assert t.pad_token_id == t.eos_token_id == tok.eos_token_id and tok.pad_token_id != tok.eos_token_id
+    return t
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    m = sft.build_tiny_model(tok, d_model=64, n_layer=2, n_head=2)
+    # A random model almost never samples the end-of-turn token; a fixed bonus on its logit makes turns end
+    # after ~30 tokens, so episodes have several turns. It is part of the model: sampling and the reference
+    # forward both see it.
+    eos = tok.eos_token_id
+
+    def bonus(module, inputs, out):
+        out = out.clone()
+        out[..., eos] += 3.5
+        return out
+    m.lm_head.register_forward_hook(bonus)
+    return m.eval()
+
+
+def mask_runs(mask):
+    """[start, end) of every run of 1s."""
+    runs, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        if not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def decode(tok, ids):
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------------- sampled episodes
+
+
+def play_sampled(model, tok, tasks, db):
+    gen = rollout.HFGenerator(model, tok)
+    calls = []
+    inner = gen.generate
+
+    def spy(prompts, *a, **kw):
+        outs = inner(prompts, *a, **kw)
+        calls.append(([list(p) for p in prompts], outs))
+        return outs
+    gen.generate = spy
+    eps = rollout.run_episodes(gen, tok, tasks, db, scripted, max_new_tokens=40, max_turns=4, temperature=1.0)
+    # each generation belongs to the episode whose final ids continue its prompt with its output
+    gens = {id(ep): [] for ep in eps}
+    for prompts, outs in calls:
+        assert len(prompts) == len(outs)
+        for p, (new, lps) in zip(prompts, outs):
+            owners = [ep for ep in eps if ep.ids[:len(p) + len(new)] == p + new]
+            assert len(owners) == 1
+            gens[id(owners[0])].append((len(p), new, lps))
+    return eps, [gens[id(ep)] for ep in eps]
+
+
+@pytest.mark.parametrize("which", ["pad", "pad_is_eos"])
+def test_sampled_episodes_masks_and_logprobs(which, model, tok, tok_pad_eos, tasks, db):
+    tk = tok if which == "pad" else tok_pad_eos
+    eos = tk.convert_tokens_to_ids(EOT)
+    picked = tasks[::3][:6]
+    eps, gens = play_sampled(model, tk, picked, db)
+    completed = 0
+    for task, ep, g in zip(picked, eps, gens):
+        n = len(ep.ids)
+        assert n == len(ep.loss_mask) == len(ep.logprobs)
+        assert g and len(g) == ep.turns
+        # the conversation starts with the rendered system prompt and first user turn
+        head = rollout.encode(tk, rollout.render(tk, ep.messages[:2], env.TOOL_SCHEMAS, add_generation_prompt=True))
+        assert ep.ids[:len(head)] == head and not any(ep.loss_mask[:len(head)])
+        # mask is 1 exactly on the sampled positions, which carry the sampler's log-probs; 0 and 0.0 elsewhere
+        want = [0] * n
+        for start, new, lps in g:
+            want[start:start + len(new)] = [1] * len(new)
+            assert ep.logprobs[start:start + len(new)] == lps
+        assert ep.loss_mask == want
+        assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.loss_mask) if not m)
+        assert all(lp <= 0.0 for lp, m in zip(ep.logprobs, ep.loss_mask) if m)
+        # each turn's tokens decode to the agent's message; a finished turn ends with eot, trained on
+        agent_msgs = [m for m in ep.messages if m["role"] == "assistant"]
+        assert len(agent_msgs) == len(g)
+        for k, (start, new, lps) in enumerate(g):
+            text = decode(tk, ep.ids[start:start + len(new)])
+            done = new[-1] == eos
+            assert text.endswith(EOT) == done and eos not in new[:-1]
+            assert agent_msgs[k] == rollout.parse_assistant(text[:-len(EOT)] if done else text)
+            if done:
+                completed += 1
+                assert ep.ids[start + len(new) - 1] == eos and ep.loss_mask[start + len(new) - 1] == 1
+            else:  # only the last turn can be cut off, and it ends the episode
+                assert k == len(g) - 1 and ep.end_reason == "max_tokens"
+        # user and tool turns are never trained on: between two agent turns (and after the last, if the
+        # episode went on) lie exactly the template's tokens for the messages in between, all mask 0
+        runs = mask_runs(ep.loss_mask)
+        assert runs == [(s, s + len(new)) for s, new, _ in g]
+        at = [i for i, m in enumerate(ep.messages) if m["role"] == "assistant"]
+        for k, (a, b) in enumerate(zip([r[1] for r in runs], [r[0] for r in runs[1:]] + [n])):
+            if k == len(runs) - 1 and a == n:
+                break  # nothing appended after the last turn (the user stopped, or the turn was cut off)
+            i, j = at[k], (at[k + 1] if k + 1 < len(at) else len(ep.messages))
+            assert decode(tk, ep.ids[a:b]) == rollout.template_diff(tk, ep.messages[:i + 1], ep.messages[i + 1:j],
+                                                                    env.TOOL_SCHEMAS)
+        # old log-probs are the sampling distribution's: a fresh forward of the final ids gives them back
+        ids = torch.tensor([ep.ids])
+        with torch.no_grad():
+            ref = sft.token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0]
+        pos = [t for t in range(1, n) if ep.loss_mask[t]]
+        got = torch.tensor([ep.logprobs[t] for t in pos])
+        assert torch.allclose(got, ref[[t - 1 for t in pos]], atol=1e-3), (got - ref[[t - 1 for t in pos]]).abs().max()
+    assert completed >= 3, "too few finished turns to check the end-of-turn mask"
+    assert sum(ep.turns for ep in eps) > len(eps), "expected multi-turn episodes"
+
+
+def test_user_and_tool_turns_masked_zero(tok, db, tasks):
+    """Forced generations with tool calls: the tool results and user replies between them are mask 0, and
+    their tokens are exactly the template's text for those messages."""
+    task = next(t for t in tasks if t["kind"] == "cancel")
+    oid = task["script"]["phases"][0]["write"]["arguments"]["order_id"]
+    script = [synth.tool_call_text("get_order_details", order_id=oid), "Hello, how can I help?",
+              synth.tool_call_text("find_user_id_by_email", email="nobody@example.com")]
+    ep = play_forced(tok, task, db, script)[0]
+    roles = [m["role"] for m in ep.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "user", "assistant", "tool"]
+    runs = mask_runs(ep.loss_mask)
+    assert len(runs) == 3
+    for k, (a, b) in enumerate(runs):
+        assert decode(tok, ep.ids[a:b]) == script[k] + EOT
+    for k, (a, b) in enumerate(zip([r[1] for r in runs], [r[0] for r in runs[1:]])):
+        i = [2, 4][k]  # the assistant message before this gap
+        j = i + 2
+        assert decode(tok, ep.ids[a:b]) == rollout.template_diff(tok, ep.messages[:i + 1], ep.messages[i + 1:j],
+                                                                  env.TOOL_SCHEMAS)
+    assert ep.messages[3]["content"].startswith('{"order_id": "' + oid)
+    assert ep.messages[7]["content"].startswith("Error") and ep.tool_errors == 1 and ep.tool_calls == 2
+    # the last tool result is appended with the next generation prompt, all mask 0
+    tail = ep.ids[runs[-1][1]:]
+    assert tail and decode(tok, tail).endswith("<|im_start|>assistant\n")
+    assert ep.end_reason == "max_turns"
+
+
+# ---------------------------------------------------------------------------------------------------- encode_conversation
+
+
+def test_encode_conversation_oracle(tok, oracle_eps):
+    for ep in oracle_eps:
+        msgs = ep.messages
+        ids, mask = rollout.encode_conversation(tok, msgs, env.TOOL_SCHEMAS)
+        assert len(ids) == len(mask)
+        agent = [m for m in msgs if m["role"] == "assistant"]
+        runs = mask_runs(mask)
+        assert len(runs) == len(agent)
+        for (a, b), m in zip(runs, agent):
+            text = decode(tok, ids[a:b])
+            assert text.endswith(EOT) and text.count(EOT) == 1
+            assert rollout.parse_assistant(text[:-len(EOT)]) == m
+            assert text.startswith(m["content"])
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        full = rollout.render(tok, msgs[:last + 1], env.TOOL_SCHEMAS)
+        assert decode(tok, ids) == (full[:-1] if full.endswith("\n") else full)
+
+
+class Replay:
+    """A 'generator' that replays given texts: per episode (recognised by its first prompt), the oracle's raw
+    agent texts in order, tokenized, with the end-of-turn token."""
+
+    def __init__(self, tok, heads, texts):
+        self.tok, self.heads, self.queues = tok, heads, [list(t) for t in texts]
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, **kw):
+        out = []
+        for p in prompts:
+            k = next(k for k, h in enumerate(self.heads) if p[:len(h)] == h)
+            ids = rollout.encode(self.tok, self.queues[k].pop(0) + EOT)
+            out.append((ids, [-1.0] * len(ids)))
+        return out
+
+
+def test_encode_conversation_matches_rollout(tok, tasks, db):
+    """SFT and RL see the same tokens: replaying the oracle's texts through run_episodes builds exactly the ids
+    and mask that encode_conversation builds from the transcript."""
+    raw = [[] for _ in tasks]
+
+    def recording(t, s):
+        agent, k = synth.OracleAgent(t, s), len(made)
+        made.append(agent)
+
+        class Rec:
+            def act(self, messages):
+                raw[k].append(agent.act(messages))
+                return raw[k][-1]
+        return Rec()
+    made = []
+    text_eps = rollout.run_episodes(None, None, tasks, db, make_user=scripted, make_agent=recording)
+    heads = [rollout.encode(tok, rollout.render(tok, e.messages[:2], env.TOOL_SCHEMAS, add_generation_prompt=True))
+             for e in text_eps]
+    assert len({tuple(h) for h in heads}) == len(heads)
+    eps = rollout.run_episodes(Replay(tok, heads, raw), tok, tasks, db, make_user=scripted)
+    for te, ep in zip(text_eps, eps):
+        assert ep.messages == te.messages and ep.reward == te.reward == 1.0
+        ids, mask = rollout.encode_conversation(tok, te.messages, env.TOOL_SCHEMAS)
+        assert ep.ids == ids and ep.loss_mask == mask
+
+
+# ---------------------------------------------------------------------------------------------------- parsing and tools
+
+
+def cancel_task(tasks):
+    return next(t for t in tasks if t["kind"] == "cancel")
+
+
+BAD_CALLS = [
+    ("bad json", '<tool_call>{"name": "get_order_details", "arguments": {"order_id": }</tool_call>'),
+    ("unclosed", '<tool_call>{"name": "get_order_details", "arguments": {'),
+    ("no name", '<tool_call>{"arguments": {"order_id": "#W1"}}</tool_call>'),
+    ("name not a string", '<tool_call>{"name": 3, "arguments": {}}</tool_call>'),
+    ("not an object", '<tool_call>["get_order_details"]</tool_call>'),
+    ("unknown tool", '<tool_call>{"name": "launch_rocket", "arguments": {}}</tool_call>'),
+    ("item_ids a string", None),
+    ("missing arguments", '<tool_call>{"name": "get_order_details", "arguments": {}}</tool_call>'),
+    ("no arguments key", '<tool_call>{"name": "get_order_details"}</tool_call>'),
+    ("arguments a list", '<tool_call>{"name": "get_order_details", "arguments": ["#W1"]}</tool_call>'),
+    ("arguments null", '<tool_call>{"name": "get_order_details", "arguments": null}</tool_call>'),
+    ("extra argument", None),
+]
+
+
+@pytest.mark.parametrize("label,text", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_calls_become_errors(label, text, db):
+    order = next(o for o in db["orders"].values() if o["status"] == "delivered")
+    if label == "item_ids a string":
+        text = synth.tool_call_text("return_delivered_order_items", order_id=order["order_id"],
+                                    item_ids=order["items"][0]["item_id"],
+                                    payment_method_id=order["payment_history"][0]["payment_method_id"])
+    if label == "extra argument":
+        text = synth.tool_call_text("get_order_details", order_id=order["order_id"], verbose=True)
+    d = copy.deepcopy(db)
+    msg = rollout.parse_assistant("Let me check. " + text)
+    assert msg["role"] == "assistant" and msg["content"] == "Let me check." and len(msg["tool_calls"]) == 1
+    out, errors, transferred = rollout.execute_calls(d, msg)
+    assert len(out) == 1 and errors == 1 and not transferred
+    assert out[0]["role"] == "tool" and out[0]["content"].startswith("Error"), out[0]
+    assert isinstance(out[0]["name"], str) and out[0]["name"]
+    assert env.db_hash(d) == env.db_hash(db)
+    # the tokenizer-free message still renders (the next prompt is built from it)
+    json.dumps(msg)
+
+
+def test_two_calls_execute_in_order(db):
+    o = next(o for o in db["orders"].values() if o["status"] == "pending")
+    oid = o["order_id"]
+    text = ("First cancel, then look. " + synth.tool_call_text("cancel_pending_order", order_id=oid, reason="no longer needed")
+            + "\n" + synth.tool_call_text("get_order_details", order_id=oid))
+    msg = rollout.parse_assistant(text)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["cancel_pending_order", "get_order_details"]
+    d = copy.deepcopy(db)
+    out, errors, _ = rollout.execute_calls(d, msg)
+    assert errors == 0 and [m["name"] for m in out] == ["cancel_pending_order", "get_order_details"]
+    assert json.loads(out[1]["content"])["status"] == "cancelled"  # the read saw the write: in order
+    assert d["orders"][oid]["status"] == "cancelled" and db["orders"][oid]["status"] == "pending"
+
+
+def test_parse_plain_text_and_transfer(db):
+    assert rollout.parse_assistant("  Hello there.  ") == {"role": "assistant", "content": "Hello there."}
+    msg = rollout.parse_assistant(synth.tool_call_text("transfer_to_human_agents", summary="user wants a human"))
+    out, errors, transferred = rollout.execute_calls(copy.deepcopy(db), msg)
+    assert errors == 0 and transferred and msg["content"] == ""
+
+
+class Forced:
+    """A generator that emits fixed texts, one per turn (one episode)."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts = tok, list(texts)
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, **kw):
+        assert len(prompts) == 1
+        ids = rollout.encode(self.tok, self.texts.pop(0) + EOT)
+        return [(ids, [-0.5] * len(ids))]
+
+
+def play_forced(tok, task, db, texts, **kw):
+    return rollout.run_episodes(Forced(tok, texts), tok, [task], db, scripted, max_turns=len(texts), **kw)
+
+
+def test_malformed_call_keeps_episode_going(tok, tasks, db):
+    task = cancel_task(tasks)
+    oid = task["script"]["phases"][0]["write"]["arguments"]["order_id"]
+    texts = ['<tool_call>{"name": "get_order_details", "arguments": {"order_id": </tool_call>',
+             '<tool_call>{"name": "get_order_details", "arguments": {"order_id": "' + oid + '"}}</tool_call>',
+             '<tool_call>{"name": "get_order_details", "arguments": {"order_id": 5}}</tool_call>',
+             "Could you give me your email?"]
+    ep = play_forced(tok, task, db, texts)[0]
+    assert ep.turns == 4 and ep.tool_calls == 3 and ep.tool_errors == 2 and not ep.errored
+    tools = [m for m in ep.messages if m["role"] == "tool"]
+    assert tools[0]["content"].startswith("Error") and tools[2]["content"].startswith("Error")
+    assert json.loads(tools[1]["content"])["order_id"] == oid
+    assert ep.messages[-1]["role"] == "user"  # the user answered the last turn
+    assert ep.end_reason == "max_turns"
+    assert len(ep.ids) == len(ep.loss_mask) == len(ep.logprobs) and len(mask_runs(ep.loss_mask)) == 4
+
+
+# ---------------------------------------------------------------------------------------------------- isolation
+
+
+def test_episodes_never_share_db(tasks, db):
+    task = cancel_task(tasks)
+    oid = task["script"]["phases"][0]["write"]["arguments"]["order_id"]
+    before = env.db_hash(db)
+    snapshot = copy.deepcopy(db)
+
+    class Idle:
+        def act(self, messages):
+            return "I am afraid I cannot help with that."
+    made = []
+
+    def make(t, s):  # the first episode gets the oracle, the second an agent that does nothing
+        made.append(s)
+        return synth.OracleAgent(t, s) if len(made) == 1 else Idle()
+    eps = rollout.run_episodes(None, None, [task, task], db, make_user=scripted, make_agent=make)
+    assert env.db_hash(db) == before and db == snapshot
+    assert eps[0].reward == 1.0 and eps[0].db["orders"][oid]["status"] == "cancelled"
+    assert env.db_hash(eps[0].db) != before
+    assert env.db_hash(eps[1].db) == before and eps[1].reward == 0.0 and eps[1].reward_info["failed"] == "db"
+    assert eps[0].db is not eps[1].db and eps[0].db is not db
+
+
+def test_token_episodes_never_share_db(tok, tasks, db):
+    task = cancel_task(tasks)
+    oid = task["script"]["phases"][0]["write"]["arguments"]["order_id"]
+    before = env.db_hash(db)
+    cancel = synth.tool_call_text("cancel_pending_order", order_id=oid, reason="no longer needed")
+
+    class TwoWay:  # episode 0 cancels, episode 1 only reads (told apart by the prompt's position in the batch)
+        def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, **kw):
+            texts = [cancel, synth.tool_call_text("get_order_details", order_id=oid)][:len(prompts)]
+            ids = [rollout.encode(tok, t + EOT) for t in texts]
+            return [(x, [0.0] * len(x)) for x in ids]
+    eps = rollout.run_episodes(TwoWay(), tok, [task, task], db, scripted, max_turns=1)
+    assert env.db_hash(db) == before
+    assert eps[0].db["orders"][oid]["status"] == "cancelled" and env.db_hash(eps[1].db) == before
+
+
+# ---------------------------------------------------------------------------------------------------- template
+
+
+def test_template_diff(tok, oracle_eps):
+    msgs = oracle_eps[0].messages
+    i = next(i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("tool_calls"))
+    diff = rollout.template_diff(tok, msgs[:i + 1], [msgs[i + 1]], env.TOOL_SCHEMAS)
+    assert msgs[i + 1]["content"] in diff and not diff.startswith(EOT)
+    whole = rollout.render(tok, msgs[:i + 2], env.TOOL_SCHEMAS, add_generation_prompt=True)
+    prompt = whole[len(rollout.render(tok, msgs[:i + 2], env.TOOL_SCHEMAS)):]
+    assert prompt and diff.endswith(prompt)  # it ends with the next generation prompt
+    old = rollout.render(tok, msgs[:i + 1], env.TOOL_SCHEMAS)
+    assert whole == old[:old.rindex(EOT) + len(EOT)] + diff  # and starts right after the agent's eot
+
+
+def test_template_diff_rejects_unstable_template(tok, oracle_eps, monkeypatch):
+    msgs = oracle_eps[0].messages
+    i = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    real = rollout.render
+
+    def rewriting(tok_, messages, tools=None, add_generation_prompt=False):
+        # like templates that drop earlier reasoning or stamp the turn count: earlier text changes
+        sys = [{"role": "system", "content": f"{len(messages)} messages so far."}]
+        return real(tok_, sys + messages[1:], tools, add_generation_prompt)
+    monkeypatch.setattr(rollout, "render", rewriting)
+    with pytest.raises(AssertionError):
+        rollout.template_diff(tok, msgs[:i + 1], [msgs[i + 1]], env.TOOL_SCHEMAS)
+    with pytest.raises(AssertionError):
+        rollout.encode_conversation(tok, msgs, env.TOOL_SCHEMAS)
