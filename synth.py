@@ -27,7 +27,7 @@ from collections import Counter
 from tqdm import tqdm
 
 import env
-from rollout import SYSTEM_PROMPT, run_episodes
+from rollout import run_episodes, score_episode
 
 # ----------------------------------------------------------------------------------------------------
 # the oracle agent: a policy-following expert that solves a task from its gold plan
@@ -91,7 +91,8 @@ class OracleAgent:
                 self.stage = "identify"
                 return "I could not find your account. Could you double-check your details?"
             self.stage = "reads_start"
-            return tool_call_text("get_user_details", user_id=last["content"])
+            if self.script["needs_user"]:
+                return tool_call_text("get_user_details", user_id=last["content"])
         if self.stage == "reads_start":
             self._start_phase()
         if self.stage == "reads" and self.todo:
@@ -260,3 +261,192 @@ class MCPToolClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ----------------------------------------------------------------------------------------------------
+# tools simulated by an LLM (the paper's second pipeline)
+
+TOOL_SIM_PROMPT = """You simulate one tool of a retail shop's backend. Answer with the tool's result only:
+a JSON object in the same shape as the records below when the tool returns a record, the bare string when it
+returns a string (such as a user id), or "Error: <reason>" when the call must fail. No other text.
+
+Tool schema:
+{schema}
+
+Database records you may use as memory:
+{memory}
+
+Call: {call}"""
+
+RESULT_KEY = {"get_order_details": "order_id", "get_user_details": "user_id", "get_product_details": "product_id",
+              "get_item_details": "item_id", "modify_user_address": "user_id"}
+
+
+def db_slice(db, name, args):
+    """The records a tool call may read: its order and that order's user, its user, its product."""
+    recs = []
+    if not isinstance(args, dict):
+        return recs
+    order = db["orders"].get(args.get("order_id", ""))
+    if order:
+        recs += [order, db["users"].get(order["user_id"])]
+    if args.get("user_id") in db["users"]:
+        recs.append(db["users"][args["user_id"]])
+    if args.get("product_id") in db["products"]:
+        recs.append(db["products"][args["product_id"]])
+    for u in db["users"].values():
+        if u["email"].lower() == str(args.get("email", "")).lower() or (
+                u["name"]["last_name"].lower() == str(args.get("last_name", "")).lower()):
+            recs.append(u)
+    if name in ("get_item_details", "list_all_product_types"):
+        recs += list(db["products"].values())
+    return [r for r in recs if r][:6]
+
+
+def check_simulated(name, text):
+    """A simulated result must have the real tool's shape; anything else becomes a tool error."""
+    text = text.strip()
+    if text.startswith("Error"):
+        return text, True
+    if name in ("find_user_id_by_email", "find_user_id_by_name_zip", "calculate", "transfer_to_human_agents"):
+        ok = bool(text) and "\n" not in text and not text.startswith("{")
+        return (text, False) if ok else (f"Error: the simulated {name} returned malformed output.", True)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return f"Error: the simulated {name} returned malformed output (not JSON).", True
+    key = RESULT_KEY.get(name, "order_id" if name != "list_all_product_types" else None)
+    if not isinstance(obj, dict) or (key and key not in obj):
+        return f"Error: the simulated {name} returned malformed output (expected a record with '{key}').", True
+    return json.dumps(obj), False
+
+
+class LLMToolSimulator:
+    """call_tool(db, name, args) whose answer comes from an LLM prompted with the tool's schema, the call and
+    the slice of the db it may use. The real tool also runs on the episode's db (which the agent never sees),
+    so the kept trajectories are verified by the same reward as everything else."""
+
+    def __init__(self, backend, max_new_tokens=512):
+        self.backend, self.max_new_tokens = backend, max_new_tokens
+        self.schemas = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
+
+    def __call__(self, db, name, args):
+        real, real_error = env.call_tool(db, name, args)
+        if name not in self.schemas or real_error and real.startswith("Error: Invalid arguments"):
+            return real, real_error  # unknown tools and bad arguments are refused before any simulation
+        prompt = TOOL_SIM_PROMPT.format(schema=json.dumps(self.schemas[name]),
+                                        memory="\n".join(json.dumps(r) for r in db_slice(db, name, args)),
+                                        call=json.dumps({"name": name, "arguments": args}))
+        try:
+            text = self.backend.chat([[{"role": "user", "content": prompt}]], self.max_new_tokens, 0.0)[0]
+        except Exception as e:  # the simulator failing is a tool error the agent can read, not a crash
+            return f"Error: tool simulator failed: {e}", True
+        return check_simulated(name, text)
+
+
+# ----------------------------------------------------------------------------------------------------
+# a teacher LLM as the agent
+
+
+class TeacherAgent:
+    """A teacher LLM plays the agent. It sees the conversation and the tool schemas; its tool calls come back
+    as Hermes <tool_call> text, the format rollout.parse_assistant reads."""
+
+    def __init__(self, backend, max_new_tokens=512, temperature=0.0):
+        self.backend, self.max_new_tokens, self.temperature = backend, max_new_tokens, temperature
+
+    def act(self, messages):
+        return self.backend.chat([messages], self.max_new_tokens, self.temperature, tools=env.TOOL_SCHEMAS)[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# the data folder: the generated shop and its task splits, written once
+
+
+def prepare_data(data_dir, seed=0, n_users=60, n_train=400, n_test=60):
+    """Generate the shop and its train/test tasks into data_dir (once) and load them."""
+    os.makedirs(data_dir, exist_ok=True)
+    shop = os.path.join(data_dir, "shop.json")
+    if not os.path.exists(shop):
+        db = env.generate_shop(seed, n_users)
+        splits = env.generate_tasks(db, seed, n_train, n_test)
+        with open(shop + ".tmp", "w") as f:
+            json.dump(db, f)
+        for name, tasks in splits.items():
+            env.save_tasks(tasks, os.path.join(data_dir, f"{name}_tasks.jsonl"))
+        os.replace(shop + ".tmp", shop)  # last, so a half-written folder is regenerated
+    return (env.load_db(shop), env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl")),
+            env.load_tasks(os.path.join(data_dir, "test_tasks.jsonl")))
+
+
+def synthesize(tasks, db, args, tools=env.TOOL_SCHEMAS):
+    """Play every task once; return all episodes (the caller keeps those with reward 1)."""
+    make_user = env.user_factory(args.user_llm, args.user_model)
+    if args.agent == "oracle":
+        make_agent = lambda task, seed: OracleAgent(task, seed)
+    else:
+        teacher = TeacherAgent(env.chat_backend(args.agent, args.agent_model))
+        make_agent = lambda task, seed: teacher
+    kw = dict(make_user=make_user, make_agent=make_agent, tools=tools, max_turns=args.max_turns)
+    eps = []
+    if args.tools == "mcp":  # one server; each episode is its own db copy on it, scored from the server's db
+        with MCPToolClient(os.path.join(args.data_dir, "shop.json")) as client:
+            for i, task in enumerate(tqdm(tasks, desc="synth (mcp)")):
+                client.reset()
+                ep, = run_episodes(None, None, [task], db, seed=args.seed + i, score=False,
+                                   call_tool=lambda _db, name, a: client.call_tool(name, a), **kw)
+                ep.db = client.get_db()
+                eps.append(score_episode(ep, task, db))
+        return eps
+    call_tool = LLMToolSimulator(env.chat_backend(args.tool_llm, args.tool_model)) if args.tools == "llm" \
+        else env.call_tool
+    for i in tqdm(range(0, len(tasks), args.chunk), desc=f"synth ({args.tools})"):
+        eps += run_episodes(None, None, tasks[i:i + args.chunk], db, seed=args.seed + i, call_tool=call_tool, **kw)
+    return eps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default="data")
+    p.add_argument("--out", default=None)                   # default: <data-dir>/sft.jsonl
+    p.add_argument("--agent", default="oracle")             # "oracle", a model path, or an OpenAI-compatible URL
+    p.add_argument("--agent-model", default=None)           # model name at that endpoint
+    p.add_argument("--user-llm", default=None)              # None: the scripted user; else a model path or a URL
+    p.add_argument("--user-model", default=None)
+    p.add_argument("--tools", default="env", choices=["env", "mcp", "llm"])
+    p.add_argument("--tool-llm", default=None)              # with --tools llm: a model path or a URL
+    p.add_argument("--tool-model", default=None)
+    p.add_argument("--n-tasks", type=int, default=None)     # default: every train task
+    p.add_argument("--max-turns", type=int, default=30)
+    p.add_argument("--chunk", type=int, default=64)         # episodes played together
+    p.add_argument("--seed", type=int, default=0)
+    # the generated shop (used only when data-dir has none yet)
+    p.add_argument("--n-users", type=int, default=60)
+    p.add_argument("--n-train", type=int, default=400)
+    p.add_argument("--n-test", type=int, default=60)
+    args = p.parse_args()
+    if args.tools == "llm" and not args.tool_llm:
+        p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
+    db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
+    tasks = train[:args.n_tasks] if args.n_tasks else train
+    tools = env.TOOL_SCHEMAS
+    if args.tools == "mcp":
+        with MCPToolClient(os.path.join(args.data_dir, "shop.json")) as c:
+            tools = c.list_tools()  # the schemas the agent sees are the server's
+    eps = synthesize(tasks, db, args, tools)
+    out = args.out or os.path.join(args.data_dir, "sft.jsonl")
+    kept = [e for e in eps if e.reward == 1.0 and not e.errored]
+    with open(out + ".tmp", "w") as f:
+        for e in kept:
+            f.write(json.dumps({"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": tools,
+                                "messages": e.messages}) + "\n")
+    os.replace(out + ".tmp", out)
+    why = Counter("errored" if e.errored else f"{e.reward_info.get('failed') or 'db'} ({e.end_reason})"
+                  for e in eps if e not in kept)
+    print(f"tried {len(eps)}, kept {len(kept)} -> {out}")
+    for reason, n in why.most_common():
+        print(f"  dropped {n}: {reason}")
+
+
+if __name__ == "__main__":
+    main()
