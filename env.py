@@ -661,19 +661,25 @@ def _check_args(name, arguments):
             return err
     return None
 
-def call_tool(db, name, arguments):
-    """Run one tool on db in place. Returns (content, is_error), serialised as tau2 does:
-    a plain string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
+def check_call(name, arguments):
+    """Decode and validate a call before anything runs. -> (arguments as a dict, None) or (None, 'Error: ...')."""
     if not isinstance(name, str) or name not in TOOLS:
-        return f"Error: Unknown tool '{name}'. Available tools: {', '.join(TOOL_NAMES)}", True
+        return None, f"Error: Unknown tool '{name}'. Available tools: {', '.join(TOOL_NAMES)}"
     if arguments is None:
         arguments = {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError as e:
-            return f"Error: Invalid JSON in arguments of tool '{name}': {e}", True
+            return None, f"Error: Invalid JSON in arguments of tool '{name}': {e}"
     err = _check_args(name, arguments)
+    return (None, err) if err else (arguments, None)
+
+
+def call_tool(db, name, arguments):
+    """Run one tool on db in place. Returns (content, is_error), serialised as tau2 does:
+    a plain string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
+    arguments, err = check_call(name, arguments)
     if err:
         return err, True
     try:

@@ -1,7 +1,7 @@
 """
 evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more checkpoints.
 
-    python evaluate.py                                          # base, SFT and GRPO checkpoints of the demo
+    python evaluate.py                      # the demo's base, cold-start (SFT), MUA-RL (SFT+GRPO), RL-only rows
     python evaluate.py --models sft=out/sft grpo=out/grpo --k 4 --temperature 1.0
     python evaluate.py --models out/grpo --tasks ../shared/tau2/retail/tasks.json \
         --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B
@@ -85,7 +85,8 @@ def parse_models(specs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["base=out/sft/init", "sft=out/sft", "grpo=out/grpo"])
+    p.add_argument("--models", nargs="+",  # name=path; the default is the demo's four rows
+                   default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"])
     p.add_argument("--data-dir", default="data")
     p.add_argument("--tasks", default=None)                 # default: <data-dir>/test_tasks.jsonl
     p.add_argument("--db", default=None)                    # default: <data-dir>/shop.json

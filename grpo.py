@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import env
 from rollout import HFGenerator, VLLMGenerator, run_episodes
-from sft import (all_reduce_sum, autocast, load_model, pad_batch, resolve_checkpoint, save_checkpoint,
-                 setup_distributed, unwrap)
+from sft import (all_reduce_sum, autocast, load_model, open_metrics, pad_batch, resolve_checkpoint,
+                 save_checkpoint, setup_distributed, unwrap)
 
 # ----------------------------------------------------------------------------------------------------
 # the objective
@@ -226,7 +226,7 @@ def train(args):
         gen = HFGenerator(model, tok)
     db, tasks = load_tasks_and_db(args)
     make_user = env.user_factory(args.user, args.user_model)
-    log = open(os.path.join(args.out, "metrics.jsonl"), "a") if rank == 0 else None
+    log = open_metrics(os.path.join(args.out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(args) if rank == 0 else None
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, desc="grpo")
     for step in bar:

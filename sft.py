@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 
@@ -27,30 +28,37 @@ from rollout import SYSTEM_PROMPT, encode_conversation, render
 # ----------------------------------------------------------------------------------------------------
 # the tiny default: a byte-level BPE trained on the data, a compact ChatML template, a small Qwen3
 
-# ChatML, but the tool schemas become one line of tool names so a short context holds a whole conversation
-# (the tiny model learns the arguments from the data).
-# Tool calls are rendered in the Hermes format that rollout.parse_assistant reads.
-TINY_CHAT_TEMPLATE = (
-    "{%- if messages[0].role == 'system' or tools -%}"
-    "{{- '<|im_start|>system\\n' -}}"
-    "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
-    "{%- if tools -%}{{- '\\nTools:' -}}"
-    "{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
-    "{%- for tc in (m.tool_calls or []) -%}"
-    "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson) + '</tool_call>' -}}"
-    "{%- endfor -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif m.role != 'system' -%}"
-    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+def chatml_template(full_schemas=False):
+    """A ChatML chat template whose tool calls are Hermes <tool_call>{"name", "arguments"}</tool_call> text, the
+    format rollout.parse_assistant reads. Tools go in the system turn: as one line of names for the tiny model
+    (it learns the arguments from the data, and a short context holds a whole conversation), or as full JSON
+    schemas for a pretrained chat model whose own template cannot show tools."""
+    tools = ("{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}" if not full_schemas else
+             "{{- '\\n\\n# Tools\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\\n<tools>' -}}"
+             "{%- for t in tools -%}{{- '\\n' + (t | tojson) -}}{%- endfor -%}{{- '\\n</tools>' -}}")
+    return (
+        "{%- if messages[0].role == 'system' or tools -%}"
+        "{{- '<|im_start|>system\\n' -}}"
+        "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
+        "{%- if tools -%}" + tools + "{%- endif -%}"
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}"
+        "{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
+        "{%- for tc in (m.tool_calls or []) -%}"
+        "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson) + '</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- elif m.role != 'system' -%}"
+        "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
+TINY_CHAT_TEMPLATE = chatml_template()
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 
 
@@ -105,9 +113,9 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
     with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
         f.write(name)
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
-    for old in os.listdir(out_dir):  # keep the newest two
-        if old.startswith("step_") and not old.endswith(".tmp") and old < f"step_{step - 1:06d}" and old != name:
-            shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    done = sorted(d for d in os.listdir(out_dir) if d.startswith("step_") and not d.endswith(".tmp"))
+    for old in done[:-2]:  # keep the newest two
+        shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     return final
 
 
@@ -124,6 +132,13 @@ def load_model(path, dtype=torch.float32, device="cpu"):
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "probe_tool", "arguments": {}}}]}]
+    if "probe_tool" not in render(tok, probe, [{"type": "function", "function": {
+            "name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}]):
+        # e.g. SmolLM2: its template drops tool calls, so SFT would teach the model never to call a tool
+        print(f"{path}: the chat template cannot render tool calls; using ChatML with Hermes tool calls")
+        tok.chat_template = chatml_template(full_schemas=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     return model, tok
 
@@ -150,6 +165,17 @@ def all_reduce_sum(x):
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(x)
     return x
+
+
+def open_metrics(path, start_step):
+    """The run's metrics JSONL for appending; on resume, lines logged after the checkpoint (their steps are
+    about to be redone) are dropped first."""
+    if os.path.exists(path):
+        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
 def lr_at(step, total, lr, warmup):
@@ -200,6 +226,32 @@ def load_conversations(path):
     return out
 
 
+ID_DIGITS = re.compile(r"\d{4,}")
+
+
+def redraw_ids(messages, rng):
+    """Replace every run of 4+ digits (order, item, product, payment and user ids, zips) by a fresh random run of
+    the same length, consistently across one conversation. The conversation stays self-consistent, but no id can
+    be memorized: a small model trained on a few dozen users must learn to copy ids from the context."""
+    new = {}
+
+    def sub(m):
+        s = m.group(0)
+        if s not in new:
+            new[s] = "".join(str(rng.randrange(10)) for _ in s)
+        return new[s]
+
+    def walk(x):
+        if isinstance(x, str):
+            return ID_DIGITS.sub(sub, x)
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, dict):
+            return {k: walk(v) for k, v in x.items()}
+        return x
+    return walk(messages)
+
+
 def micro_loss(model, batch, total_tokens, device):
     """Sum of agent-token NLL in this micro-batch divided by the agent tokens of the whole global batch,
     so that gradient accumulation and ranks add up to a token-level mean."""
@@ -239,6 +291,7 @@ def main():
     p.add_argument("--eval-frac", type=float, default=0.05)   # held-out conversations for the eval loss
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--redraw-ids", default="auto", choices=["auto", "on", "off"])  # auto: on for the tiny model
     p.add_argument("--seed", type=int, default=0)
     # the tiny model (only with --model tiny)
     p.add_argument("--vocab-size", type=int, default=2048)
@@ -267,25 +320,30 @@ def train(args):
             save_checkpoint(os.path.join(args.out, "init"), 0, model, tok)
     else:
         model, tok = load_model(args.model, device=device)
-    data = [encode_conversation(tok, c["messages"], c.get("tools")) for c in convs]
-    data = [(i[:args.max_len], m[:args.max_len]) for i, m in data]
-    n_eval = max(1, int(len(data) * args.eval_frac))
-    held, data = data[:n_eval], data[n_eval:]
+    def encode(c):
+        ids, mask = encode_conversation(tok, c["messages"], c.get("tools"))
+        return ids[:args.max_len], mask[:args.max_len]
+    n_eval = max(1, int(len(convs) * args.eval_frac))
+    held, train_convs = [encode(c) for c in convs[:n_eval]], convs[n_eval:]
+    redraw = args.redraw_ids == "on" or (args.redraw_ids == "auto" and args.model == "tiny")
+    data = None if redraw else [encode(c) for c in train_convs]  # with redraw, each step encodes afresh
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     if start:
         opt.load_state_dict(state["optimizer"])
-    log = open(os.path.join(args.out, "metrics.jsonl"), "a") if rank == 0 else None
+    log = open_metrics(os.path.join(args.out, "metrics.jsonl"), start) if rank == 0 else None
     per_step = args.batch_size * args.grad_accum * world
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, desc="sft")
     for step in bar:
         t0 = time.time()
         # the global batch of this step depends only on (seed, step), so a resumed run sees the same data
-        order = random.Random(args.seed * 1000003 + step // max(1, len(data) // per_step)).sample(
-            range(len(data)), len(data))
-        k = step % max(1, len(data) // per_step)
-        glob = [data[j] for j in order[k * per_step:(k + 1) * per_step]]
+        n = len(train_convs)
+        order = random.Random(args.seed * 1000003 + step // max(1, n // per_step)).sample(range(n), n)
+        k = step % max(1, n // per_step)
+        picked = order[k * per_step:(k + 1) * per_step]
+        glob = [data[j] for j in picked] if data else [encode({**train_convs[j], "messages": redraw_ids(
+            train_convs[j]["messages"], random.Random(args.seed * 1000003 + step * 1009 + j))}) for j in picked]
         mine = glob[rank::world]
         total = float(sum(sum(m[1:]) for _, m in glob))  # agent tokens in the global batch
         for g in opt.param_groups:
@@ -297,7 +355,7 @@ def train(args):
                 continue
             loss = micro_loss(model, mb, total, device) * world  # DDP averages gradients over ranks
             loss.backward()
-            loss_sum += float(loss) / world
+            loss_sum += float(loss.detach()) / world
         loss_t = all_reduce_sum(torch.tensor(loss_sum))
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()

@@ -331,11 +331,12 @@ class LLMToolSimulator:
         self.schemas = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
 
     def __call__(self, db, name, args):
-        real, real_error = env.call_tool(db, name, args)
-        if name not in self.schemas or real_error and real.startswith("Error: Invalid arguments"):
-            return real, real_error  # unknown tools and bad arguments are refused before any simulation
-        prompt = TOOL_SIM_PROMPT.format(schema=json.dumps(self.schemas[name]),
-                                        memory="\n".join(json.dumps(r) for r in db_slice(db, name, args)),
+        args, err = env.check_call(name, args)
+        if err:  # unknown tools and bad arguments are refused before any simulation, as the real tools do
+            return err, True
+        memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
+        env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
+        prompt = TOOL_SIM_PROMPT.format(schema=json.dumps(self.schemas[name]), memory=memory,
                                         call=json.dumps({"name": name, "arguments": args}))
         try:
             text = self.backend.chat([[{"role": "user", "content": prompt}]], self.max_new_tokens, 0.0)[0]
