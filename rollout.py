@@ -23,6 +23,7 @@ no name, unknown tool, wrong arguments) is answered with an error message and th
 import copy
 import inspect
 import json
+import os
 import random
 import re
 from dataclasses import dataclass, field
@@ -270,17 +271,19 @@ def sample_token(logits, temperature, top_p, gen):
 
 
 class VLLMGenerator:
-    """The same interface on a vLLM engine (imported only when asked for). vLLM returns the sampled
-    token ids and their log-probs; with `logprobs_mode="processed_logprobs"` those are the tempered ones."""
+    """The same interface on a vLLM engine (imported only when asked for), colocated with training in this
+    process. vLLM returns the sampled ids and their log-probs; with logprobs_mode="processed_logprobs" those are
+    the log-probs of the distribution it sampled from (temperature applied), as the GRPO ratio needs."""
 
     def __init__(self, model_path, tok, gpu_memory_utilization=0.5, **engine_kw):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
         from vllm import LLM  # optional dependency
         self.tok = tok
-        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization,
+        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs", **engine_kw)
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
-        # vLLM's own prefix cache reuses earlier turns; cache_keys is not needed
+        # vLLM's prefix cache reuses earlier turns by itself; cache_keys is not needed
         from vllm import SamplingParams, TokensPrompt
         sp = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             logprobs=0, stop_token_ids=[self.tok.convert_tokens_to_ids(end_of_turn(self.tok))])
@@ -293,9 +296,13 @@ class VLLMGenerator:
         return res
 
     def load_weights(self, model):
-        """Push the policy's new weights into the engine after an update (same process, colocated)."""
-        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
-        runner.model.load_weights(((n, p.detach()) for n, p in model.named_parameters()))
+        """Push the policy's new weights into the engine after an update, then drop cached prefixes (their
+        keys and values came from the old weights)."""
+        weights = [(n, p.detach()) for n, p in model.named_parameters()]
+        # reload_weights (vLLM >= 0.32) re-applies vLLM's own post-processing of weights, which a bare
+        # model.load_weights after start-up would skip; with the engine in this process no copy is made
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
 
 
 # ----------------------------------------------------------------------------------------------------
