@@ -1062,6 +1062,9 @@ class ScriptedUser:
     drawn from a seeded RNG so two trials of one task differ."""
 
     def __init__(self, task, seed=0, patience=4):
+        if "script" not in task:
+            raise ValueError(f"task {task.get('id')!r} has no script: the scripted user plays only generated "
+                             "tasks; give tau2's tasks an LLM user (--user PATH_OR_URL)")
         self.s, self.rng = task["script"], random.Random(seed)
         self.phase, self.identified, self.confirmed, self.lost = 0, False, False, 0
         self.patience = patience  # unhelpful agent turns tolerated before giving up

@@ -46,14 +46,15 @@ def evaluate_model(gen, tok, tasks, db, make_user, args):
 def summarize(eps, ks):
     """-> {group: {"n": tasks, "reward": mean, "pass^k": ...}} for "all" and every task kind."""
     by = defaultdict(lambda: defaultdict(list))
+    by["all"] = defaultdict(list)  # present even when every episode errored
     for e in eps:
         if not e.errored:
             by["all"][e.task_id].append(e.reward)
             by[e.kind or "-"][e.task_id].append(e.reward)
     out = {}
     for group, outcomes in by.items():
-        out[group] = {"n": len(outcomes),
-                      "reward": sum(sum(r) for r in outcomes.values()) / sum(len(r) for r in outcomes.values())}
+        trials = sum(len(r) for r in outcomes.values())
+        out[group] = {"n": len(outcomes), "reward": sum(sum(r) for r in outcomes.values()) / trials if trials else None}
         for k in ks:
             out[group][f"pass^{k}"] = pass_hat_k(outcomes, k)
     out["all"]["errored"] = sum(e.errored for e in eps)
@@ -124,8 +125,9 @@ def run(args):
                 f.write(json.dumps({k: v for k, v in e.to_json().items()
                                     if k not in ("ids", "loss_mask", "logprobs")}) + "\n")
         results[name] = summarize(eps, ks)
-        print(f"{name}: pass^1 {results[name]['all']['pass^1']:.3f} over {results[name]['all']['n']} tasks, "
-              f"{results[name]['all']['errored']} errored", flush=True)
+        a = results[name]["all"]
+        p1 = f"{a['pass^1']:.3f}" if a["pass^1"] is not None else "-"
+        print(f"{name}: pass^1 {p1} over {a['n']} tasks, {a['errored']} errored episodes", flush=True)
         del model, gen
     table = markdown(results, [k for k in (1, 2, 4, 8) if k <= args.k] or [1])
     print(table)

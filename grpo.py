@@ -211,8 +211,9 @@ def train(args):
     resuming = args.resume and os.path.isfile(os.path.join(args.out, "latest"))
     model, tok = load_model(args.out if resuming else args.model, device=device)
     ref = None
-    if args.beta > 0:  # the reference is the starting policy, frozen
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
+    if args.beta > 0:  # the reference is the starting policy (--model), frozen, also when resuming
+        ref = (load_model(args.model, device=device)[0] if resuming else copy.deepcopy(model))
+        ref = ref.eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
     start = 0
     if resuming:
@@ -241,7 +242,8 @@ def train(args):
                 save_checkpoint(args.out, step + 1, policy, tok, opt)
     if rank == 0:
         plot_metrics(os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "reward.png"))
-    if world > 1:
+    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return unwrap(policy), tok
 

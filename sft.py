@@ -254,7 +254,8 @@ def redraw_ids(messages, rng):
 
 def micro_loss(model, batch, total_tokens, device):
     """Sum of agent-token NLL in this micro-batch divided by the agent tokens of the whole global batch,
-    so that gradient accumulation and ranks add up to a token-level mean."""
+    so that gradient accumulation and ranks add up to a token-level mean. (A batch of (ids, all-ones mask)
+    gives plain language-model loss on every token.)"""
     ids, lmask, attn = pad_batch(batch, 0, device)
     with autocast(device):
         lp = token_logprobs(model, ids, attn)
@@ -292,6 +293,7 @@ def main():
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--redraw-ids", default="auto", choices=["auto", "on", "off"])  # auto: on for the tiny model
+    p.add_argument("--lm-steps", type=int, default=0)         # first steps with loss on every token (from scratch)
     p.add_argument("--seed", type=int, default=0)
     # the tiny model (only with --model tiny)
     p.add_argument("--vocab-size", type=int, default=2048)
@@ -344,6 +346,8 @@ def train(args):
         picked = order[k * per_step:(k + 1) * per_step]
         glob = [data[j] for j in picked] if data else [encode({**train_convs[j], "messages": redraw_ids(
             train_convs[j]["messages"], random.Random(args.seed * 1000003 + step * 1009 + j))}) for j in picked]
+        if step < args.lm_steps:  # a model from scratch first learns the transcripts' language: every token
+            glob = [(ids, [1] * len(ids)) for ids, _ in glob]
         mine = glob[rank::world]
         total = float(sum(sum(m[1:]) for _, m in glob))  # agent tokens in the global batch
         for g in opt.param_groups:
@@ -370,7 +374,8 @@ def train(args):
             log.flush()
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
                 save_checkpoint(args.out, step + 1, model, tok, opt)
-    if world > 1:
+    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return model, tok
 
