@@ -28,14 +28,16 @@ from rollout import SYSTEM_PROMPT, encode_conversation, render
 # ----------------------------------------------------------------------------------------------------
 # the tiny default: a byte-level BPE trained on the data, a compact ChatML template, a small Qwen3
 
-def chatml_template(full_schemas=False):
+def chatml_template(signatures=False):
     """A ChatML chat template whose tool calls are Hermes <tool_call>{"name", "arguments"}</tool_call> text, the
-    format rollout.parse_assistant reads. Tools go in the system turn: as one line of names for the tiny model
-    (it learns the arguments from the data, and a short context holds a whole conversation), or as full JSON
-    schemas for a pretrained chat model whose own template cannot show tools."""
-    tools = ("{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}" if not full_schemas else
-             "{{- '\\n\\n# Tools\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\\n<tools>' -}}"
-             "{%- for t in tools -%}{{- '\\n' + (t | tojson) -}}{%- endfor -%}{{- '\\n</tools>' -}}")
+    format rollout.parse_assistant reads. Tools go in the system turn as one line: names only for the tiny model
+    (it learns the arguments from the data, and a short context holds a whole conversation), or signatures
+    name(arg, ...) with a line on the call format, for a pretrained chat model whose own template cannot show
+    tools (full JSON schemas would cost ~2.5k tokens a conversation)."""
+    tools = ("{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}" if not signatures else
+             "{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:' -}}"
+             "{%- for t in tools -%}{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | list | join(', ')) + ')' -}}"
+             "{%- endfor -%}")
     return (
         "{%- if messages[0].role == 'system' or tools -%}"
         "{{- '<|im_start|>system\\n' -}}"
@@ -138,7 +140,7 @@ def load_model(path, dtype=torch.float32, device="cpu"):
             "name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}]):
         # e.g. SmolLM2: its template drops tool calls, so SFT would teach the model never to call a tool
         print(f"{path}: the chat template cannot render tool calls; using ChatML with Hermes tool calls")
-        tok.chat_template = chatml_template(full_schemas=True)
+        tok.chat_template = chatml_template(signatures=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     return model, tok
 
@@ -349,7 +351,7 @@ def train(args):
         if step < args.lm_steps:  # a model from scratch first learns the transcripts' language: every token
             glob = [(ids, [1] * len(ids)) for ids, _ in glob]
         mine = glob[rank::world]
-        total = float(sum(sum(m[1:]) for _, m in glob))  # agent tokens in the global batch
+        total = max(1.0, float(sum(sum(m[1:]) for _, m in glob)))  # agent tokens in the global batch
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss_sum = 0.0
