@@ -1259,7 +1259,7 @@ def _generate(users):
     todo, attempt = list(range(len(users))), 0
     while todo:
         batch = [list(users[i].messages) for i in todo]
-        seed = head.seed * 1_000_003 + head.turns * 101 + attempt  # varies per turn and per retry, reproducible
+        seed = (head.seed * 1_000_003 + head.turns * 101 + attempt) % 2**31  # per turn and retry; fits any API
         args = (head.max_new_tokens, head.temperature, seed)
         try:
             outs = list(backend.chat(batch, *args))

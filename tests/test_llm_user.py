@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import env  # noqa: E402
 from env import (GREETING, LLMUser, OpenAIChatBackend, clean_reply, find_smollm2_gguf,  # noqa: E402
                           load_smollm2, respond_all, start_all, system_prompt, HFChatBackend)
 
@@ -274,3 +275,17 @@ def test_smollm2_first_message():
     # A second turn works too and keeps the history growing.
     reply = users[0].respond("Sure, can you tell me your name and zip code?")
     assert users[0].error is None and (reply.strip() or users[0].done)
+
+
+def test_large_seeds_reach_the_backend_in_range():
+    """GRPO hands users seeds far beyond 2**63; the per-turn seed passed to a backend must still be valid
+    (torch.manual_seed overflowed here once, erroring every episode)."""
+    import sft
+    convs = [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": "hi"}]}
+             for i in range(4)]
+    tok, model = sft.make_tiny(convs, 300, 16, 1, 2, seed=0)
+    task = {"id": "t", "user_scenario": {"instructions": {"reason_for_call": "You want to cancel an order."}}}
+    user = LLMUser(task, env.HFChatBackend(model, tok), seed=2**31 * 100003 + 7, max_new_tokens=4,
+                   temperature=1.0)
+    env.start_all([user])
+    assert user.error is None
