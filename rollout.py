@@ -20,7 +20,6 @@ Every call in one assistant message is executed, in order, each answered by its 
 (Qwen's templates render several calls per turn and group their responses). A malformed call (bad JSON,
 no name, unknown tool, wrong arguments) is answered with an error message and the episode goes on.
 """
-import copy
 import inspect
 import json
 import os
@@ -342,7 +341,8 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
     client or an LLM that simulates tools. With `make_agent(task, seed)` (an object whose act(messages)
     returns the agent's text, e.g. synth.py's oracle or a teacher LLM) instead of `gen`/`tok`, the same loop
     plays text-only episodes (no token ids)."""
-    eps = [Episode(task_id=str(t["id"]), messages=[], kind=t.get("kind", ""), db=copy.deepcopy(db)) for t in tasks]
+    # every episode gets its own copy of the db (canonical_db is a deep copy, several times faster than deepcopy)
+    eps = [Episode(task_id=str(t["id"]), messages=[], kind=t.get("kind", ""), db=env.canonical_db(db)) for t in tasks]
     if hasattr(gen, "kv"):
         gen.kv = {}  # caches from an earlier call may come from older weights
     users = [make_user(t, seed * 100003 + i) for i, t in enumerate(tasks)]
