@@ -8,12 +8,9 @@ import copy
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -26,6 +23,8 @@ import evaluate
 import grpo
 import rollout
 import sft
+import util
+from util import free_port, read_jsonl, sub_env
 
 REPO = Path(__file__).resolve().parent.parent
 TAU2 = REPO.parent / "shared" / "tau2" / "retail"
@@ -35,30 +34,7 @@ METRIC_KEYS = ("reward_mean", "zero_spread_frac", "kl", "clip_frac", "entropy", 
 TINY_RL = ["--batch-tasks", "2", "--group", "2", "--max-turns", "3", "--max-new-tokens", "24", "--micro-batch", "4"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 2 cores shared with someone else's training: one thread per process is faster and steadier
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def sub_env():
-    """Environment for child processes: offline, one thread each, the repo importable."""
-    e = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    return e
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the module
 
 
 def run_py(*argv, timeout=90):
@@ -421,37 +397,19 @@ def test_evaluate_cli(world):
 # 6. evaluate.py on tau2 tasks with an LLM user behind an OpenAI-compatible endpoint
 
 
-class FakeOpenAI:
+class FakeOpenAI(util.FakeOpenAIServer):
     """/chat/completions on 127.0.0.1; reply(body) -> (HTTP status, message text). Records every request body."""
 
     def __init__(self, reply):
         self.reply, self.bodies = reply, []
-        fake = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.bodies.append(body)
-                status, text = fake.reply(body)
-                data = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
-                    if status == 200 else {"error": text}).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, path, body):
+        self.bodies.append(body)
+        status, text = self.reply(body)
+        return status, ({"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+            if status == 200 else {"error": text})
 
 
 @pytest.fixture

@@ -7,13 +7,13 @@ import sys
 import tempfile
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import env  # noqa: E402
+import util  # noqa: E402
 from env import (GREETING, LLMUser, OpenAIChatBackend, clean_reply, find_smollm2_gguf,  # noqa: E402
                           load_smollm2, respond_all, start_all, system_prompt, HFChatBackend)
 
@@ -34,46 +34,22 @@ TASK = {
 
 # ----------------------------------------------------------------------------- fake OpenAI-compatible server
 
-class FakeServer:
+class FakeServer(util.FakeOpenAIServer):
     """Serves scripted /v1/chat/completions replies. script items: str (200 reply) or int (that HTTP status)."""
 
     def __init__(self, script, default=None):
         self.script, self.default = list(script), default
         self.requests = []
         self.lock = threading.Lock()
-        outer = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    outer.requests.append({"path": self.path, "body": body})
-                    item = outer.script.pop(0) if outer.script else outer.default
-                if isinstance(item, int):
-                    self.send_response(item)
-                    self.end_headers()
-                    self.wfile.write(b'{"error": "scripted failure"}')
-                    return
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": item}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+    def answer(self, path, body):
+        with self.lock:
+            self.requests.append({"path": path, "body": body})
+            item = self.script.pop(0) if self.script else self.default
+        if isinstance(item, int):
+            return item, {"error": "scripted failure"}
+        return 200, {"choices": [{"message": {"role": "assistant", "content": item}}]}
 
 
 @pytest.fixture

@@ -21,14 +21,7 @@ def scripted(t, s):
     return env.ScriptedUser(t, s)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The model is tiny: with 2 cores shared with other jobs, OpenMP threads mostly wait on each other
-    # (a 10x slowdown measured). One thread is faster and steadier.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the module
 
 
 @pytest.fixture(scope="module")

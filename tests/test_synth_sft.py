@@ -9,12 +9,9 @@ import math
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -24,30 +21,15 @@ import env
 import rollout
 import sft
 import synth
+import util
+from util import free_port, read_jsonl, sub_env
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = 0
 EOT = "<|im_end|>"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 2 cores shared with someone else's training: one thread per process is faster and steadier
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def sub_env():
-    """Environment for child processes: offline, one thread each, the repo importable."""
-    e = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    return e
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the module
 
 
 def sft_args(data, out, **over):
@@ -309,36 +291,18 @@ def test_llm_tool_simulator_with_tiny_model(db, train_tasks, conversations):
 # 3. a teacher LLM behind an OpenAI-compatible endpoint
 
 
-class FakeOpenAI:
+class FakeOpenAI(util.FakeOpenAIServer):
     """/chat/completions on 127.0.0.1 that answers with the queued messages and records every request body."""
 
     def __init__(self, replies):
         self.replies, self.bodies = list(replies), []
-        fake = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.bodies.append((self.path, body))
-                msg = fake.replies.pop(0)
-                data = json.dumps({"id": "x", "object": "chat.completion", "model": body["model"],
-                                   "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, path, body):
+        self.bodies.append((path, body))
+        msg = self.replies.pop(0)
+        return 200, {"id": "x", "object": "chat.completion", "model": body["model"],
+                     "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}
 
 
 def test_teacher_agent_openai_endpoint(conversations):
@@ -508,12 +472,6 @@ def test_save_checkpoint_keeps_newest_two(conversations, tmp_path):
 
 # ----------------------------------------------------------------------------------------------------
 # 7. torchrun / DDP on CPU (gloo) matches one process with the same global batch
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_torchrun_ddp_matches_single_process(small_data, tmp_path):
