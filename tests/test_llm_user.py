@@ -1,9 +1,4 @@
-import os
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -11,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import env  # noqa: E402
-import util  # noqa: E402
-from env import (GREETING, LLMUser, OpenAIChatBackend, clean_reply, find_smollm2_gguf,  # noqa: E402
-                          load_smollm2, respond_all, start_all, system_prompt, HFChatBackend)
+import env
+import util
+from env import (GREETING, HFChatBackend, LLMUser, OpenAIChatBackend, clean_reply, find_smollm2_gguf,
+                 load_smollm2, respond_all, start_all, system_prompt)
 
 SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
 

