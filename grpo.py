@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import env
 from rollout import HFGenerator, VLLMGenerator, run_episodes
-from sft import (all_reduce_sum, autocast, load_model, open_metrics, pad_batch, resolve_checkpoint,
-                 save_checkpoint, setup_distributed, unwrap)
+from sft import (all_reduce_sum, autocast, load_model, logprobs_from_logits, open_metrics, pad_batch,
+                 resolve_checkpoint, save_checkpoint, setup_distributed, unwrap)
 
 # ----------------------------------------------------------------------------------------------------
 # the objective
@@ -66,15 +66,7 @@ def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
 
 def forward_logprobs(model, ids, attn, temperature):
     """log-probs of ids[:, 1:] and the entropy of each predictive distribution, (B, T-1) each."""
-    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)
-
-
-def logprobs_from_logits(logits, ids, temperature):
-    """logits (B, T, V) -> log p(ids[:, t+1]) and entropy at each position t < T-1. Logits are divided by the
-    sampling temperature so that they match the log-probs frozen at rollout time."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
+    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature, True)
 
 
 def episode_batch(eps, advs, device):

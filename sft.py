@@ -201,8 +201,15 @@ def pad_batch(seqs, pad_id, device):
 
 def token_logprobs(model, ids, attn, temperature=1.0):
     """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
+
+
+def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
+    """logits (B, T, V) -> (log p(ids[:, t+1]) at each position t < T-1, entropy there or None). Logits are
+    divided by the sampling temperature so that GRPO's ratios use the distribution the rollout sampled from."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
 
 
 def autocast(device):
