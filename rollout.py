@@ -327,8 +327,7 @@ class Episode:
     db: dict = None                     # this episode's own database (final state)
 
     def to_json(self):
-        d = {k: v for k, v in self.__dict__.items() if k != "db"}
-        return d
+        return {k: v for k, v in self.__dict__.items() if k != "db"}
 
 
 def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT,
