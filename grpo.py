@@ -150,9 +150,14 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, args, step, rank
     for i, e in enumerate(eps):
         if e.errored:  # a failed user simulator says nothing about the policy: no gradient from it
             advs[i] = 0.0
-    stats = update(policy, ref, opt, eps, advs, args, device, world)
-    if isinstance(gen, VLLMGenerator):
-        gen.load_weights(unwrap(policy))
+    # a batch in which every group has equal rewards carries no policy gradient (all advantages are 0): skip
+    # its forward/backward and optimizer step. The count is global, so every rank takes the same branch.
+    if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
+        stats = {**update(policy, ref, opt, eps, advs, args, device, world), "update_skipped": 0}
+        if isinstance(gen, VLLMGenerator):
+            gen.load_weights(unwrap(policy))
+    else:
+        stats = {"update_skipped": 1}
     return step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1, world)
 
 

@@ -148,6 +148,20 @@ def test_equal_rewards_give_no_policy_gradient(tiny):
     assert opt.grads[0].abs().max() == 0
 
 
+def test_all_equal_rewards_skip_the_update(tiny, monkeypatch):
+    """An untrained model never cancels the order: every group is all zeros, so no forward/backward runs."""
+    tok, model = tiny
+    db, task, oid = _easy_world()
+    monkeypatch.setattr(grpo, "update", lambda *a, **k: pytest.fail("update ran on an all-zero-advantage batch"))
+    before = [p.detach().clone() for p in model.parameters()]
+    args = SimpleNamespace(group=2, batch_tasks=2, drop_zero_spread=False, max_turns=1, max_len=256,
+                           max_new_tokens=8, mean_only=False, **vars(_args()))
+    rec = grpo.grpo_step(model, None, None, rollout.HFGenerator(model, tok), tok, [task], db,
+                         lambda t, s: OneLineUser(oid), args, 0)
+    assert rec["update_skipped"] == 1 and rec["zero_spread_frac"] == 1.0 and rec["reward_mean"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 # ----------------------------------------------------------------------------------------------------
 # a short run learns an easy task: the user asks to cancel an order without saying why; the gold reason is
 # "ordered by mistake". SFT on both reasons equally makes a model that succeeds about half the time; GRPO
@@ -213,6 +227,7 @@ def test_short_grpo_run_learns_easy_task():
     for step in range(15):
         rec = grpo.grpo_step(model, None, opt, gen, tok, [task], db, lambda t, s: OneLineUser(oid), args, step)
         assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and rec["tokens_generated"] > 0
+        assert rec["update_skipped"] == int(rec["zero_spread_frac"] == 1.0)
     after = _success(gen, tok, db, task, oid, 48, seed=2)
     print(f"easy task: success {before:.2f} -> {after:.2f} after 15 GRPO steps")
     assert after >= before + 0.2, (before, after)
