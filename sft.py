@@ -284,6 +284,26 @@ def eval_loss(model, data, batch_size, device):
     return tot / max(1, n)
 
 
+@torch.no_grad()
+def eval_accuracy(model, tok, data, batch_size, device):
+    """Teacher-forced greedy accuracy on agent tokens: (all of them, those holding a digit). The second is the
+    copying meter: ids, zips and amounts must be copied from the conversation (with --redraw-ids the model has
+    never seen these conversations' real ids), and a model that only learned the protocol scores near 0 on it."""
+    model.eval()
+    digit = torch.tensor([any(ch.isdigit() for ch in t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))],
+                         device=device)
+    hit = n = dhit = dn = 0
+    for i in range(0, len(data), batch_size):
+        ids, lmask, attn = pad_batch(data[i:i + batch_size], 0, device)
+        with autocast(device):
+            pred = model(input_ids=ids, attention_mask=attn).logits[:, :-1].argmax(-1)  # (B, T-1)
+        tgt, m = ids[:, 1:], lmask[:, 1:].bool()
+        ok, d = (pred == tgt) & m, digit[tgt] & m
+        hit, n, dhit, dn = hit + int(ok.sum()), n + int(m.sum()), dhit + int((ok & d).sum()), dn + int(d.sum())
+    model.train()
+    return hit / max(1, n), dhit / max(1, dn)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/sft.jsonl")        # synth.py's output
@@ -377,8 +397,10 @@ def train(args):
                "grad_norm": float(gnorm), "tokens": total, "sec": round(time.time() - t0, 3)}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             rec["eval_loss"] = eval_loss(unwrap(model), held, args.batch_size, device)
+            rec["eval_acc"], rec["eval_id_acc"] = eval_accuracy(unwrap(model), tok, held, args.batch_size, device)
         if rank == 0:
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", **({"eval": f"{rec['eval_loss']:.3f}"} if "eval_loss" in rec else {}))
+            shown = {"eval": f"{rec['eval_loss']:.3f}", "id_acc": f"{rec['eval_id_acc']:.2f}"} if "eval_loss" in rec else {}
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", **shown)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps:

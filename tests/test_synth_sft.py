@@ -377,6 +377,10 @@ def test_sft_lowers_heldout_loss(sft_data, tmp_path):
     tok = AutoTokenizer.from_pretrained(ck)
     assert tok.chat_template == sft.TINY_CHAT_TEMPLATE and tok.eos_token == EOT
     assert math.isclose(sft.eval_loss(model, held, 4, "cpu"), evals[-1], rel_tol=1e-4)
+    # teacher-forced accuracy on agent tokens, logged with the loss: up from the untrained model's
+    acc, id_acc = rows[-1]["eval_acc"], rows[-1]["eval_id_acc"]
+    assert (acc, id_acc) == pytest.approx(sft.eval_accuracy(model, tok, held, 4, "cpu"), abs=1e-6)
+    assert 0.0 <= id_acc <= 1.0 and acc > sft.eval_accuracy(m0, tok0, held, 4, "cpu")[0] + 0.2
     assert "optimizer" in torch.load(ck / "train_state.pt", weights_only=False)
 
 
