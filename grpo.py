@@ -16,7 +16,7 @@ the user in the loop; reward each with env.compute_reward; advantage = (r - grou
 PPO-clipped policy loss against the log-probs frozen at rollout time, summed over the policy's own tokens and
 divided by their number in the whole global batch; optional k3 KL to a frozen reference (beta 0: no
 reference model is loaded). Groups whose rewards are all equal carry no gradient: they are counted, logged,
-and (--drop-zero-spread) replaced by fresh groups.
+and (--drop-zero-spread) replaced by fresh groups; a step in which every group is so skips the update.
 """
 import argparse
 import copy
