@@ -770,8 +770,9 @@ def _communicated(info, messages):
     return any(m.get("role") == "assistant" and isinstance(m.get("content"), str)
                and info.lower() in m["content"].lower().replace(",", "") for m in messages)
 
-def compute_reward(task, initial_db, final_db, messages=None, check_communicate=False):
-    db_match = db_hash(final_db) == db_hash(gold_db(task, initial_db))
+def compute_reward(task, initial_db, final_db, messages=None, check_communicate=False, gold_hash=None):
+    """gold_hash: db_hash(gold_db(task, initial_db)) when the caller already has it (it depends on the task only)."""
+    db_match = db_hash(final_db) == (gold_hash or db_hash(gold_db(task, initial_db)))
     communicate_ok = None
     if check_communicate:
         infos = task["evaluation_criteria"].get("communicate_info") or []

@@ -393,15 +393,18 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
     for ep in eps:
         ep.end_reason = ep.end_reason or "max_turns"
     if score:
+        gold = {}  # GRPO plays each task G times: replay its gold actions and hash the result once
         for ep, task in zip(eps, tasks):
-            score_episode(ep, task, db, check_communicate)
+            if not ep.errored and id(task) not in gold:
+                gold[id(task)] = env.db_hash(env.gold_db(task, db))
+            score_episode(ep, task, db, check_communicate, gold.get(id(task)))
     return eps
 
 
-def score_episode(ep, task, initial_db, check_communicate=False):
+def score_episode(ep, task, initial_db, check_communicate=False, gold_hash=None):
     """The 0/1 task reward (env.compute_reward) of a finished episode; errored episodes are not scored."""
     if not ep.errored:
-        info = env.compute_reward(task, initial_db, ep.db, ep.messages, check_communicate)
+        info = env.compute_reward(task, initial_db, ep.db, ep.messages, check_communicate, gold_hash)
         ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
     return ep
 

@@ -366,8 +366,10 @@ def test_malformed_call_keeps_episode_going(tok, tasks, db):
 # ---------------------------------------------------------------------------------------------------- isolation
 
 
-def test_episodes_never_share_db(tasks, db):
+def test_episodes_never_share_db(tasks, db, monkeypatch):
     task = cancel_task(tasks)
+    replays, real_gold = [], env.gold_db
+    monkeypatch.setattr(env, "gold_db", lambda *a: replays.append(1) or real_gold(*a))
     oid = task["script"]["phases"][0]["write"]["arguments"]["order_id"]
     before = env.db_hash(db)
     snapshot = copy.deepcopy(db)
@@ -386,6 +388,7 @@ def test_episodes_never_share_db(tasks, db):
     assert env.db_hash(eps[0].db) != before
     assert env.db_hash(eps[1].db) == before and eps[1].reward == 0.0 and eps[1].reward_info["failed"] == "db"
     assert eps[0].db is not eps[1].db and eps[0].db is not db
+    assert len(replays) == 1  # both episodes play one task: its gold end state is computed once
 
 
 def test_token_episodes_never_share_db(tok, tasks, db):
