@@ -62,19 +62,25 @@ def chatml_template(signatures=False):
 
 TINY_CHAT_TEMPLATE = chatml_template()
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+DIGIT_CHUNKS = [f"{i:03d}" for i in range(1000)] + [f"{i:02d}" for i in range(100)]
 
 
-def build_tiny_tokenizer(texts, vocab_size=2048):
-    """Byte-level BPE trained on `texts`. Digit runs are pre-split from their neighbours, so an id is the same
-    tokens wherever it appears (in a user message, a JSON result, a tool call) and can be copied."""
+def build_tiny_tokenizer(texts, vocab_size=1024):
+    """Byte-level BPE (`vocab_size` tokens) trained on `texts`, plus one token for every 2- and 3-digit string.
+    Digit runs become 3-digit chunks (left to right: 1234567 -> 123 456 7), so every id, seen in training or
+    not, is the same few tokens wherever it appears (a user message, a JSON result, a tool call), and the model
+    copies it chunk by chunk. (A BPE learned on the data would make the training users' ids single tokens, which
+    a small model memorizes, and shatter unseen ids into pieces it never copied.)"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=False),
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(texts, trainer)
+    # added tokens are matched before pre-tokenization, longest first: a digit run is cut into 3-digit chunks
+    tk.add_tokens(DIGIT_CHUNKS)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=TINY_CHAT_TEMPLATE, model_max_length=4096)
 
@@ -95,6 +101,69 @@ def make_tiny(conversations, vocab_size, d_model, n_layer, n_head, seed):
     texts = [render(boot, c["messages"], c.get("tools")) for c in conversations]
     tok = build_tiny_tokenizer(texts, vocab_size)
     return tok, build_tiny_model(tok, d_model, n_layer, n_head, seed=seed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# copying, taught first. Serving a customer means copying ids (orders, users, items, payment methods) across
+# hundreds of tokens of conversation. That needs an induction circuit (find the earlier occurrence of the
+# current token, copy what followed), and a model trained from scratch on the conversations alone sits on a long
+# plateau before one forms: after 300 SFT steps it still copies <10% of id tokens. So the tiny model first learns
+# to copy on synthetic sequences (random runs of digit-chunk tokens repeated after a random gap, inside "text"
+# filler), short contexts then long ones: distances must vary, or the model learns a fixed-offset shortcut
+# instead of induction, and long contexts from the start do not train at all. A few copy sequences stay in every
+# SFT step so that the circuit is not forgotten.
+
+COPY_MIX_WEIGHT = 0.5  # the copy loss's weight next to the SFT loss in each step
+COPY_STAGES = {"short": (8, 64, 40, 32), "long": (16, 256, 200, 8)}  # run length, sequence length, max gap, batch
+
+
+def copy_batch(tok, run, length, max_gap, n, gen):
+    """n sequences of "text" filler, each with a random run of digit-chunk tokens repeated after a random gap.
+    -> ids (n, length) and mask (n, length): 1 on the repeat's tokens after its first (what induction predicts)."""
+    chunks = torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS))
+    filler = torch.arange(len(SPECIAL_TOKENS) + 256, len(SPECIAL_TOKENS) + 356)  # 100 BPE merges: "text"
+    ids = filler[torch.randint(0, len(filler), (n, length), generator=gen)]
+    mask = torch.zeros(n, length, dtype=torch.long)
+    for b in range(n):
+        r = chunks[torch.randint(0, len(chunks), (run,), generator=gen)]
+        gap = int(torch.randint(0, max_gap, (1,), generator=gen))
+        a = int(torch.randint(0, length - 2 * run - gap + 1, (1,), generator=gen))
+        c = a + run + gap
+        ids[b, a:a + run], ids[b, c:c + run] = r, r
+        mask[b, c + 1:c + run] = 1
+    return ids, mask
+
+
+def copy_loss(model, tok, stage, gen, device, n=None):
+    """Mean NLL of the copied tokens in one batch of the stage ("short" or "long")."""
+    run, length, max_gap, batch = COPY_STAGES[stage]
+    ids, mask = (t.to(device) for t in copy_batch(tok, run, length, max_gap, n or batch, gen))
+    with autocast(device):
+        lp = token_logprobs(model, ids, torch.ones_like(ids))  # (n, length-1)
+    return -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+
+@torch.no_grad()
+def copy_accuracy(model, tok, device, seed=0):
+    """Greedy accuracy on copies in 512-token sequences with gaps up to 400: longer than anything trained on."""
+    ids, mask = (t.to(device) for t in copy_batch(tok, 16, 512, 400, 8, torch.Generator().manual_seed(seed)))
+    pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
+    return float(((pred == ids[:, 1:]) & mask[:, 1:].bool()).sum() / mask[:, 1:].sum())
+
+
+def copy_warmup(model, tok, steps, lr, device, seed):
+    """`steps` optimizer steps on copy sequences (2/3 short, then long) with their own AdamW. -> copy accuracy."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    bar = tqdm(range(steps), desc="copy warm-up")
+    for step in bar:
+        loss = copy_loss(model, tok, "short" if step < 2 * steps // 3 else "long", gen, device)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{float(loss.detach()):.2f}")
+    return copy_accuracy(model, tok, device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -323,9 +392,11 @@ def main():
     p.add_argument("--resume", action="store_true")
     p.add_argument("--redraw-ids", default="auto", choices=["auto", "on", "off"])  # auto: on for the tiny model
     p.add_argument("--lm-steps", type=int, default=0)         # first steps with loss on every token (from scratch)
+    p.add_argument("--copy-warmup", type=int, default=1200)   # tiny model only: copy-task steps before SFT
+    p.add_argument("--copy-mix", type=int, default=4)         # tiny model only: copy sequences in every SFT step
     p.add_argument("--seed", type=int, default=0)
     # the tiny model (only with --model tiny)
-    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--vocab-size", type=int, default=1024)    # BPE tokens, plus 1100 digit-chunk tokens
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -339,7 +410,7 @@ def train(args):
     convs = load_conversations(args.data)
     random.Random(args.seed).shuffle(convs)
     os.makedirs(args.out, exist_ok=True)
-    start = 0
+    start, warm = 0, {}
     if args.resume and os.path.isfile(os.path.join(args.out, "latest")):
         model, tok = load_model(args.out, device=device)
         state = torch.load(os.path.join(resolve_checkpoint(args.out), "train_state.pt"), weights_only=False)
@@ -349,6 +420,10 @@ def train(args):
         model.to(device)
         if rank == 0:  # the untrained model is the "base" row of the evaluation table
             save_checkpoint(os.path.join(args.out, "init"), 0, model, tok)
+        if args.copy_warmup:  # every rank runs the same seeded warm-up, so the replicas stay equal
+            t0 = time.time()
+            warm = {"copy_acc": copy_warmup(model, tok, args.copy_warmup, args.lr, device, args.seed),
+                    "copy_warmup_s": round(time.time() - t0, 1)}
     else:
         model, tok = load_model(args.model, device=device)
     def encode(c):
@@ -365,6 +440,7 @@ def train(args):
         opt.load_state_dict(state["optimizer"])
     log = open_metrics(os.path.join(args.out, "metrics.jsonl"), start) if rank == 0 else None
     per_step = args.batch_size * args.grad_accum * world
+    mix = args.copy_mix if args.model == "tiny" else 0
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, desc="sft")
     for step in bar:
         t0 = time.time()
@@ -387,8 +463,11 @@ def train(args):
             if not mb:
                 continue
             loss = micro_loss(model, mb, total, device) * world  # DDP averages gradients over ranks
-            loss.backward()
             loss_sum += float(loss.detach()) / world
+            if mix and a == 0:  # this step's copy sequences (seeded by step and rank: a resumed run sees the same)
+                gen = torch.Generator().manual_seed(args.seed * 1000003 + step * 101 + rank)
+                loss = loss + COPY_MIX_WEIGHT * copy_loss(model, tok, "long", gen, device, args.copy_mix)
+            loss.backward()
         loss_t = all_reduce_sum(torch.tensor(loss_sum))
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
@@ -398,6 +477,10 @@ def train(args):
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             rec["eval_loss"] = eval_loss(unwrap(model), held, args.batch_size, device)
             rec["eval_acc"], rec["eval_id_acc"] = eval_accuracy(unwrap(model), tok, held, args.batch_size, device)
+            if mix:
+                rec["copy_acc"] = copy_accuracy(unwrap(model), tok, device)
+        if step == start:
+            rec.update(warm)
         if rank == 0:
             shown = {"eval": f"{rec['eval_loss']:.3f}", "id_acc": f"{rec['eval_id_acc']:.2f}"} if "eval_loss" in rec else {}
             bar.set_postfix(loss=f"{rec['loss']:.3f}", **shown)

@@ -36,7 +36,8 @@ def sft_args(data, out, **over):
     """Every option of sft.main with its parser default, then the overrides (kept in sync by test_args_match_sft_parser)."""
     a = dict(data=str(data), model="tiny", out=str(out), steps=300, batch_size=8, grad_accum=1, lr=3e-3, warmup=20,
              weight_decay=0.0, clip=1.0, max_len=2048, eval_every=50, eval_frac=0.05, save_every=100, resume=False,
-             redraw_ids="auto", lm_steps=0, seed=0, vocab_size=2048, d_model=128, n_layer=4, n_head=4)
+             redraw_ids="auto", lm_steps=0, copy_warmup=1200, copy_mix=4, seed=0, vocab_size=1024, d_model=128,
+             n_layer=4, n_head=4)
     a.update(over)
     return argparse.Namespace(**a)
 
@@ -351,7 +352,8 @@ def test_sft_lowers_heldout_loss(sft_data, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out = tmp_path / "sft"
     args = sft_args(sft_data, out, steps=40, batch_size=4, d_model=64, n_layer=2, n_head=2, vocab_size=1024,
-                    eval_every=20, max_len=1024, warmup=5, lr=1e-2)  # short warmup, high lr: 40 steps is short
+                    eval_every=20, max_len=1024, warmup=5, lr=1e-2,  # short warmup, high lr: 40 steps is short
+                    copy_warmup=0, copy_mix=0)
     sft.train(args)
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
@@ -438,7 +440,7 @@ def test_resume_matches_uninterrupted_run(small_data, tmp_path):
     # warmup 20 >= the kill point: the lr of steps 1..20 does not depend on --steps, so a run told to stop at 20
     # is exactly an uninterrupted 30-step run killed right after its step-20 checkpoint
     kw = dict(batch_size=2, d_model=32, n_layer=2, n_head=2, vocab_size=512, max_len=512, eval_every=100,
-              save_every=10, warmup=20)
+              save_every=10, warmup=20, copy_warmup=10, copy_mix=1)  # the copy sequences must resume too
     a, b = tmp_path / "a", tmp_path / "b"
     sft.train(sft_args(small_data, a, steps=30, **kw))
     sft.train(sft_args(small_data, b, steps=20, **kw))
@@ -467,6 +469,21 @@ def test_resume_matches_uninterrupted_run(small_data, tmp_path):
     assert any(not torch.allclose(wa[k], w0[k]) for k in wa)  # and training did move them
 
 
+def test_copy_batches_repeat_a_digit_run(conversations):
+    tok, _ = sft.make_tiny(conversations[:8], 400, 16, 1, 2, SEED)
+    ids, mask = sft.copy_batch(tok, 8, 64, 40, 16, torch.Generator().manual_seed(0))
+    chunk_ids = set(tok.convert_tokens_to_ids(sft.DIGIT_CHUNKS))
+    assert ids.shape == mask.shape == (16, 64) and (mask.sum(1) == 7).all()  # the run's tokens after its first
+    for row, m in zip(ids.tolist(), mask.tolist()):
+        c = m.index(1) - 1  # where the repeat starts
+        run = row[c:c + 8]
+        assert all(t in chunk_ids for t in run)
+        starts = [a for a in range(c - 7) if row[a:a + 8] == run]
+        assert starts and 0 <= c - (starts[0] + 8) < 40  # the same run earlier, within the gap
+        assert sum(t in chunk_ids for t in row) == 16  # the rest is "text" filler
+    assert tok.tokenize("#W1234567") == ["#", "W", "123", "456", "7"]  # digit runs are 3-digit chunks
+
+
 def test_save_checkpoint_keeps_newest_two(conversations, tmp_path):
     tok, model = sft.make_tiny(conversations[:4], 300, 16, 1, 2, SEED)
     for step in (10, 20, 30):
@@ -480,7 +497,7 @@ def test_save_checkpoint_keeps_newest_two(conversations, tmp_path):
 
 def test_torchrun_ddp_matches_single_process(small_data, tmp_path):
     kw = dict(steps=4, d_model=32, n_layer=2, n_head=2, vocab_size=512, max_len=512, eval_every=100,
-              save_every=100, warmup=2)
+              save_every=100, warmup=2, copy_warmup=0, copy_mix=0)
     ddp_out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "sft.py",
