@@ -223,7 +223,7 @@ def test_short_grpo_run_learns_easy_task():
     assert 0.15 < before < 0.85, f"the SFT start should succeed sometimes, got {before}"
     args = SimpleNamespace(group=8, batch_tasks=4, drop_zero_spread=False, max_turns=2, max_len=512,
                            max_new_tokens=80, mean_only=False, **vars(_args()))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # ~10x below the SFT rate: RL steps are noisy
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4)  # ~6x below the SFT rate: RL steps are noisy
     for step in range(15):
         rec = grpo.grpo_step(model, None, opt, gen, tok, [task], db, lambda t, s: OneLineUser(oid), args, step)
         assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and rec["tokens_generated"] > 0
