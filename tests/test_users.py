@@ -4,6 +4,10 @@ played against the oracle agent (synth.OracleAgent) through rollout.run_episodes
 import collections
 import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,6 +82,12 @@ def writes(ep):
 
 def test_shop_deterministic_and_sized(db):
     assert env.generate_shop(SEED) == db
+    # ... also across processes, whose string hashing (so set order) differs
+    code = "import env, json; print(env.db_hash(env.generate_shop(0)))"
+    for hash_seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", code], cwd=Path(env.__file__).parent, capture_output=True,
+                           text=True, env={**os.environ, "PYTHONHASHSEED": hash_seed}, timeout=60)
+        assert r.stdout.strip() == env.db_hash(env.generate_shop(0)), r.stderr[-2000:]
     assert env.generate_shop(SEED + 1) != db
     assert 10 <= len(db["products"]) <= 20
     assert 20 <= len(db["users"]) <= 100
