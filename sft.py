@@ -10,6 +10,7 @@ The loss is on the agent's tokens only, with the same rendering and masking code
 written atomically; --resume continues a killed run from the last one.
 """
 import argparse
+import functools
 import json
 import math
 import os
@@ -117,10 +118,15 @@ COPY_MIX_WEIGHT = 0.5  # the copy loss's weight next to the SFT loss in each ste
 COPY_STAGES = {"short": (8, 64, 40, 32), "long": (16, 256, 200, 8)}  # run length, sequence length, max gap, batch
 
 
+@functools.lru_cache(maxsize=4)
+def digit_chunk_ids(tok):
+    return torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS))
+
+
 def copy_batch(tok, run, length, max_gap, n, gen):
     """n sequences of "text" filler, each with a random run of digit-chunk tokens repeated after a random gap.
     -> ids (n, length) and mask (n, length): 1 on the repeat's tokens after its first (what induction predicts)."""
-    chunks = torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS))
+    chunks = digit_chunk_ids(tok)
     filler = torch.arange(len(SPECIAL_TOKENS) + 256, len(SPECIAL_TOKENS) + 356)  # 100 BPE merges: "text"
     ids = filler[torch.randint(0, len(filler), (n, length), generator=gen)]
     mask = torch.zeros(n, length, dtype=torch.long)
@@ -341,36 +347,25 @@ def micro_loss(model, batch, total_tokens, device):
 
 
 @torch.no_grad()
-def eval_loss(model, data, batch_size, device):
-    model.eval()
-    tot, n = 0.0, 0
-    for i in range(0, len(data), batch_size):
-        batch = data[i:i + batch_size]
-        k = sum(sum(m[1:]) for _, m in batch)
-        tot += float(micro_loss(model, batch, 1.0, device))
-        n += k
-    model.train()
-    return tot / max(1, n)
-
-
-@torch.no_grad()
-def eval_accuracy(model, tok, data, batch_size, device):
-    """Teacher-forced greedy accuracy on agent tokens: (all of them, those holding a digit). The second is the
-    copying meter: ids, zips and amounts must be copied from the conversation (with --redraw-ids the model has
-    never seen these conversations' real ids), and a model that only learned the protocol scores near 0 on it."""
+def eval_heldout(model, tok, data, batch_size, device):
+    """One teacher-forced pass over held-out conversations -> {"eval_loss": agent-token NLL, "eval_acc": greedy
+    accuracy on agent tokens, "eval_id_acc": the same on agent tokens holding a digit}. The last is the copying
+    meter: ids, zips and amounts must be copied from the conversation (with --redraw-ids the model has never
+    seen these conversations' real ids), and a model that only learned the protocol scores near 0 on it."""
     model.eval()
     digit = torch.tensor([any(ch.isdigit() for ch in t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))],
                          device=device)
-    hit = n = dhit = dn = 0
+    nll, hit, n, dhit, dn = 0.0, 0, 0, 0, 0
     for i in range(0, len(data), batch_size):
         ids, lmask, attn = pad_batch(data[i:i + batch_size], 0, device)
         with autocast(device):
-            pred = model(input_ids=ids, attention_mask=attn).logits[:, :-1].argmax(-1)  # (B, T-1)
+            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
         tgt, m = ids[:, 1:], lmask[:, 1:].bool()
-        ok, d = (pred == tgt) & m, digit[tgt] & m
+        nll -= float((logprobs_from_logits(logits, ids)[0] * m).sum())
+        ok, d = (logits[:, :-1].argmax(-1) == tgt) & m, digit[tgt] & m
         hit, n, dhit, dn = hit + int(ok.sum()), n + int(m.sum()), dhit + int((ok & d).sum()), dn + int(d.sum())
     model.train()
-    return hit / max(1, n), dhit / max(1, dn)
+    return {"eval_loss": nll / max(1, n), "eval_acc": hit / max(1, n), "eval_id_acc": dhit / max(1, dn)}
 
 
 def main():
@@ -475,14 +470,14 @@ def train(args):
         rec = {"step": step + 1, "loss": float(loss_t), "lr": opt.param_groups[0]["lr"],
                "grad_norm": float(gnorm), "tokens": total, "sec": round(time.time() - t0, 3)}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            rec["eval_loss"] = eval_loss(unwrap(model), held, args.batch_size, device)
-            rec["eval_acc"], rec["eval_id_acc"] = eval_accuracy(unwrap(model), tok, held, args.batch_size, device)
+            rec.update(eval_heldout(unwrap(model), tok, held, args.batch_size, device))
             if mix:
                 rec["copy_acc"] = copy_accuracy(unwrap(model), tok, device)
         if step == start:
             rec.update(warm)
         if rank == 0:
-            shown = {"eval": f"{rec['eval_loss']:.3f}", "id_acc": f"{rec['eval_id_acc']:.2f}"} if "eval_loss" in rec else {}
+            shown = ({"eval": f"{rec['eval_loss']:.3f}", "id_acc": f"{rec['eval_id_acc']:.2f}"}
+                     if "eval_loss" in rec else {})
             bar.set_postfix(loss=f"{rec['loss']:.3f}", **shown)
             log.write(json.dumps(rec) + "\n")
             log.flush()

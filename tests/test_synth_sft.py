@@ -371,18 +371,19 @@ def test_sft_lowers_heldout_loss(sft_data, tmp_path):
     held = [rollout.encode_conversation(tok0, c["messages"], c["tools"])
             for c in convs[:max(1, int(len(convs) * args.eval_frac))]]
     held = [(i[:args.max_len], m[:args.max_len]) for i, m in held]
-    base = sft.eval_loss(m0, held, 4, "cpu")
+    base = sft.eval_heldout(m0, tok0, held, 4, "cpu")["eval_loss"]
     assert evals[-1] < 0.6 * base, (evals[-1], base)
 
     ck = out / "step_000040"
     model = AutoModelForCausalLM.from_pretrained(ck)
     tok = AutoTokenizer.from_pretrained(ck)
     assert tok.chat_template == sft.TINY_CHAT_TEMPLATE and tok.eos_token == EOT
-    assert math.isclose(sft.eval_loss(model, held, 4, "cpu"), evals[-1], rel_tol=1e-4)
+    assert math.isclose(sft.eval_heldout(model, tok, held, 4, "cpu")["eval_loss"], evals[-1], rel_tol=1e-4)
     # teacher-forced accuracy on agent tokens, logged with the loss: up from the untrained model's
     acc, id_acc = rows[-1]["eval_acc"], rows[-1]["eval_id_acc"]
-    assert (acc, id_acc) == pytest.approx(sft.eval_accuracy(model, tok, held, 4, "cpu"), abs=1e-6)
-    assert 0.0 <= id_acc <= 1.0 and acc > sft.eval_accuracy(m0, tok0, held, 4, "cpu")[0] + 0.2
+    again, untrained = sft.eval_heldout(model, tok, held, 4, "cpu"), sft.eval_heldout(m0, tok0, held, 4, "cpu")
+    assert (acc, id_acc) == pytest.approx((again["eval_acc"], again["eval_id_acc"]), abs=1e-6)
+    assert 0.0 <= id_acc <= 1.0 and acc > untrained["eval_acc"] + 0.2
     assert "optimizer" in torch.load(ck / "train_state.pt", weights_only=False)
 
 
