@@ -64,14 +64,18 @@ def chatml_template(signatures=False):
 TINY_CHAT_TEMPLATE = chatml_template()
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 DIGIT_CHUNKS = [f"{i:03d}" for i in range(1000)] + [f"{i:02d}" for i in range(100)]
+# the generated shop's customer names, one token each in both cases: "Olga" is then the same token after a space
+# (a user message), a quote (a tool call's JSON) or a dot (an e-mail), so it can be copied token by token
+NAME_TOKENS = sorted({w for n in env.FIRST + env.LAST for w in (n, n.lower())})
 
 
 def build_tiny_tokenizer(texts, vocab_size=1024):
-    """Byte-level BPE (`vocab_size` tokens) trained on `texts`, plus one token for every 2- and 3-digit string.
-    Digit runs become 3-digit chunks (left to right: 1234567 -> 123 456 7), so every id, seen in training or
-    not, is the same few tokens wherever it appears (a user message, a JSON result, a tool call), and the model
-    copies it chunk by chunk. (A BPE learned on the data would make the training users' ids single tokens, which
-    a small model memorizes, and shatter unseen ids into pieces it never copied.)"""
+    """Byte-level BPE (`vocab_size` tokens) trained on `texts`, plus one token for every 2- and 3-digit string
+    and for each name of the generated shop. Digit runs become 3-digit chunks (left to right: 1234567 -> 123 456
+    7), so every id, seen in training or not, is the same few tokens wherever it appears (a user message, a JSON
+    result, a tool call), and the model copies it chunk by chunk. (A BPE learned on the data would make the
+    training users' ids single tokens, which a small model memorizes, and shatter unseen ids into pieces it never
+    copied; and it splits " Olga" and '"Olga' differently.)"""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
@@ -81,7 +85,7 @@ def build_tiny_tokenizer(texts, vocab_size=1024):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(texts, trainer)
     # added tokens are matched before pre-tokenization, longest first: a digit run is cut into 3-digit chunks
-    tk.add_tokens(DIGIT_CHUNKS)
+    tk.add_tokens(DIGIT_CHUNKS + NAME_TOKENS)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=TINY_CHAT_TEMPLATE, model_max_length=4096)
 
@@ -109,29 +113,42 @@ def make_tiny(conversations, vocab_size, d_model, n_layer, n_head, seed):
 # hundreds of tokens of conversation. That needs an induction circuit (find the earlier occurrence of the
 # current token, copy what followed), and a model trained from scratch on the conversations alone sits on a long
 # plateau before one forms: after 300 SFT steps it still copies <10% of id tokens. So the tiny model first learns
-# to copy on synthetic sequences (random runs of digit-chunk tokens repeated after a random gap, inside "text"
-# filler), short contexts then long ones: distances must vary, or the model learns a fixed-offset shortcut
+# to copy on synthetic sequences (random runs of digit-chunk and name tokens repeated after a random gap, inside
+# "text" filler), short contexts then long ones: distances must vary, or the model learns a fixed-offset shortcut
 # instead of induction, and long contexts from the start do not train at all. A few copy sequences stay in every
 # SFT step so that the circuit is not forgotten.
 
 COPY_MIX_WEIGHT = 0.5  # the copy loss's weight next to the SFT loss in each step
 COPY_STAGES = {"short": (8, 64, 40, 32), "long": (16, 256, 200, 8)}  # run length, sequence length, max gap, batch
+COPY_SEP_P = 0.0
+COPY_NAME_P = 0.2
+COPY_SEPARATORS = [".", "_", " ", "@"]  # between the parts of "olga.ito8993@..." and "olga_ito_8993"
 
 
 @functools.lru_cache(maxsize=4)
-def digit_chunk_ids(tok):
-    return torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS))
+def copy_token_ids(tok):
+    """-> (digit-chunk ids, name ids, separator ids): what copy runs are made of."""
+    seps = [tok(s, add_special_tokens=False)["input_ids"][0] for s in COPY_SEPARATORS]
+    return (torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS)), torch.tensor(tok.convert_tokens_to_ids(NAME_TOKENS)),
+            torch.tensor(seps))
+
+
+def copy_run(tok, run, gen):
+    """`run` tokens: digit chunks or names, some replaced by separators."""
+    chunks, names, seps = copy_token_ids(tok)
+    r = torch.where(torch.rand(run, generator=gen) >= COPY_NAME_P, chunks[torch.randint(0, len(chunks), (run,), generator=gen)],
+                    names[torch.randint(0, len(names), (run,), generator=gen)])
+    return torch.where(torch.rand(run, generator=gen) < COPY_SEP_P, seps[torch.randint(0, len(seps), (run,), generator=gen)], r)
 
 
 def copy_batch(tok, run, length, max_gap, n, gen):
-    """n sequences of "text" filler, each with a random run of digit-chunk tokens repeated after a random gap.
+    """n sequences of "text" filler, each with a random copy run repeated after a random gap.
     -> ids (n, length) and mask (n, length): 1 on the repeat's tokens after its first (what induction predicts)."""
-    chunks = digit_chunk_ids(tok)
     filler = torch.arange(len(SPECIAL_TOKENS) + 256, len(SPECIAL_TOKENS) + 356)  # 100 BPE merges: "text"
     ids = filler[torch.randint(0, len(filler), (n, length), generator=gen)]
     mask = torch.zeros(n, length, dtype=torch.long)
     for b in range(n):
-        r = chunks[torch.randint(0, len(chunks), (run,), generator=gen)]
+        r = copy_run(tok, run, gen)
         gap = int(torch.randint(0, max_gap, (1,), generator=gen))
         a = int(torch.randint(0, length - 2 * run - gap + 1, (1,), generator=gen))
         c = a + run + gap
@@ -311,15 +328,21 @@ def load_conversations(path):
 
 
 ID_DIGITS = re.compile(r"\d{4,}")
+NAMES = re.compile(r"(?<![A-Za-z])(" + "|".join(NAME_TOKENS) + r")(?![a-z])")  # a name, not inside a word
 
 
-def redraw_ids(messages, rng):
+def redraw(messages, rng):
     """Replace every run of 4+ digits (order, item, product, payment and user ids, zips) by a fresh random run of
-    the same length, consistently across one conversation. The conversation stays self-consistent, but no id can
-    be memorized: a small model trained on a few dozen users must learn to copy ids from the context."""
+    the same length, and every customer name by another (first names and last names each permuted), consistently
+    across one conversation: "Olga", "olga.ito8993@..." and "olga_ito_8993" stay one person. The conversation
+    stays self-consistent, but no id or name can be memorized: a small model trained on a few dozen users must
+    learn to copy them from the context."""
     new = {}
+    first, last = env.FIRST[:], env.LAST[:]
+    names = dict(zip(env.FIRST + env.LAST, rng.sample(first, len(first)) + rng.sample(last, len(last))))
+    names.update({a.lower(): b.lower() for a, b in names.items()})
 
-    def sub(m):
+    def digits(m):
         s = m.group(0)
         if s not in new:
             new[s] = "".join(str(rng.randrange(10)) for _ in s)
@@ -327,7 +350,7 @@ def redraw_ids(messages, rng):
 
     def walk(x):
         if isinstance(x, str):
-            return ID_DIGITS.sub(sub, x)
+            return NAMES.sub(lambda m: names[m.group(0)], ID_DIGITS.sub(digits, x))
         if isinstance(x, list):
             return [walk(v) for v in x]
         if isinstance(x, dict):
@@ -349,12 +372,14 @@ def micro_loss(model, batch, total_tokens, device):
 @torch.no_grad()
 def eval_heldout(model, tok, data, batch_size, device):
     """One teacher-forced pass over held-out conversations -> {"eval_loss": agent-token NLL, "eval_acc": greedy
-    accuracy on agent tokens, "eval_id_acc": the same on agent tokens holding a digit}. The last is the copying
-    meter: ids, zips and amounts must be copied from the conversation (with --redraw-ids the model has never
-    seen these conversations' real ids), and a model that only learned the protocol scores near 0 on it."""
+    accuracy on agent tokens, "eval_id_acc": the same on agent tokens holding a digit or a customer name}. The
+    last is the copying meter: ids, zips, amounts and names must be copied from the conversation (with --redraw
+    the model has never seen these conversations' real ids and names together), and a model that only learned
+    the protocol scores near 0 on it."""
     model.eval()
-    digit = torch.tensor([any(ch.isdigit() for ch in t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))],
-                         device=device)
+    names = set(NAME_TOKENS)
+    digit = torch.tensor([any(ch.isdigit() for ch in t) or t in names
+                          for t in tok.convert_ids_to_tokens(list(range(len(tok))))], device=device)
     nll, hit, n, dhit, dn = 0.0, 0, 0, 0, 0
     for i in range(0, len(data), batch_size):
         ids, lmask, attn = pad_batch(data[i:i + batch_size], 0, device)
@@ -385,7 +410,7 @@ def main():
     p.add_argument("--eval-frac", type=float, default=0.05)   # held-out conversations for the eval loss
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--redraw-ids", default="auto", choices=["auto", "on", "off"])  # auto: on for the tiny model
+    p.add_argument("--redraw", default="auto", choices=["auto", "on", "off"])  # ids and names; auto: on for tiny
     p.add_argument("--lm-steps", type=int, default=0)         # first steps with loss on every token (from scratch)
     p.add_argument("--copy-warmup", type=int, default=1200)   # tiny model only: copy-task steps before SFT
     p.add_argument("--copy-mix", type=int, default=4)         # tiny model only: copy sequences in every SFT step
@@ -426,8 +451,8 @@ def train(args):
         return ids[:args.max_len], mask[:args.max_len]
     n_eval = max(1, int(len(convs) * args.eval_frac))
     held, train_convs = [encode(c) for c in convs[:n_eval]], convs[n_eval:]
-    redraw = args.redraw_ids == "on" or (args.redraw_ids == "auto" and args.model == "tiny")
-    data = None if redraw else [encode(c) for c in train_convs]  # with redraw, each step encodes afresh
+    redraw_on = args.redraw == "on" or (args.redraw == "auto" and args.model == "tiny")
+    data = None if redraw_on else [encode(c) for c in train_convs]  # with redraw, each step encodes afresh
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
@@ -444,7 +469,7 @@ def train(args):
         order = random.Random(args.seed * 1000003 + step // max(1, n // per_step)).sample(range(n), n)
         k = step % max(1, n // per_step)
         picked = order[k * per_step:(k + 1) * per_step]
-        glob = [data[j] for j in picked] if data else [encode({**train_convs[j], "messages": redraw_ids(
+        glob = [data[j] for j in picked] if data else [encode({**train_convs[j], "messages": redraw(
             train_convs[j]["messages"], random.Random(args.seed * 1000003 + step * 1009 + j))}) for j in picked]
         if step < args.lm_steps:  # a model from scratch first learns the transcripts' language: every token
             glob = [(ids, [1] * len(ids)) for ids, _ in glob]

@@ -36,7 +36,7 @@ def sft_args(data, out, **over):
     """Every option of sft.main with its parser default, then the overrides (kept in sync by test_args_match_sft_parser)."""
     a = dict(data=str(data), model="tiny", out=str(out), steps=300, batch_size=8, grad_accum=1, lr=3e-3, warmup=20,
              weight_decay=0.0, clip=1.0, max_len=2048, eval_every=50, eval_frac=0.05, save_every=100, resume=False,
-             redraw_ids="auto", lm_steps=0, copy_warmup=1200, copy_mix=4, seed=0, vocab_size=1024, d_model=128,
+             redraw="auto", lm_steps=0, copy_warmup=1200, copy_mix=4, seed=0, vocab_size=1024, d_model=128,
              n_layer=4, n_head=4)
     a.update(over)
     return argparse.Namespace(**a)
@@ -470,10 +470,12 @@ def test_resume_matches_uninterrupted_run(small_data, tmp_path):
     assert any(not torch.allclose(wa[k], w0[k]) for k in wa)  # and training did move them
 
 
-def test_copy_batches_repeat_a_digit_run(conversations):
+def test_copy_batches_repeat_a_run_of_digits_and_names(conversations):
     tok, _ = sft.make_tiny(conversations[:8], 400, 16, 1, 2, SEED)
     ids, mask = sft.copy_batch(tok, 8, 64, 40, 16, torch.Generator().manual_seed(0))
-    chunk_ids = set(tok.convert_tokens_to_ids(sft.DIGIT_CHUNKS))
+    chunk_ids = set(tok.convert_tokens_to_ids(sft.DIGIT_CHUNKS + sft.NAME_TOKENS))
+    names = set(tok.convert_tokens_to_ids(sft.NAME_TOKENS))
+    assert 0 < sum(t in names for t in ids.flatten().tolist()) < 16 * 16 // 2  # some names, mostly digits
     assert ids.shape == mask.shape == (16, 64) and (mask.sum(1) == 7).all()  # the run's tokens after its first
     for row, m in zip(ids.tolist(), mask.tolist()):
         c = m.index(1) - 1  # where the repeat starts
@@ -566,3 +568,30 @@ def test_smollm2_training_text_keeps_tool_calls(conversations):
     agent_text = tok.decode([i for i, k in zip(ids, mask) if k], skip_special_tokens=False)
     call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
     assert "<tool_call>" in agent_text and call["name"] in agent_text
+
+
+def test_redraw_replaces_ids_and_names_consistently(conversations):
+    msgs = next(c for c in conversations if "first_name" in json.dumps(c))["messages"]
+    text = json.dumps(msgs)
+    new = json.dumps(sft.redraw(msgs, random.Random(1)))
+    again = json.dumps(sft.redraw(msgs, random.Random(1)))
+    assert new == again and new != text  # seeded, and something changed
+    old_ids, new_ids = sft.ID_DIGITS.findall(text), sft.ID_DIGITS.findall(new)
+    assert len(old_ids) == len(new_ids) and all(len(a) == len(b) for a, b in zip(old_ids, new_ids))
+    # one old id -> one new id everywhere (an order id in the user's message and in the tool call agree)
+    assert len(set(zip(old_ids, new_ids))) == len(set(old_ids)) == len(set(new_ids))
+    old_names, new_names = sft.NAMES.findall(text), sft.NAMES.findall(new)
+    assert old_names and len(old_names) == len(new_names)
+    pairs = set(zip(old_names, new_names))
+    assert len(pairs) == len(set(old_names)) == len(set(new_names))  # names mapped one to one, case kept
+    assert all((a[0].isupper()) == (b[0].isupper()) for a, b in pairs)
+    assert any(a != b for a, b in pairs)
+    assert json.loads(new)[0] == msgs[0]  # the system prompt names no one: unchanged
+
+
+def test_tiny_tokenizer_keeps_names_whole(conversations):
+    tok, _ = sft.make_tiny(conversations[:8], 400, 16, 1, 2, SEED)
+    for text, name in (("My name is Olga Ito.", "Olga"), ('{"first_name": "Olga"}', "Olga"),
+                       ("olga.ito8993@example.com", "olga"), ("olga_ito_8993", "ito")):
+        assert name in tok.tokenize(text), text  # the same token after a space, a quote, a dot or an underscore
+    assert tok.decode(tok("olga.ito8993@example.com")["input_ids"]) == "olga.ito8993@example.com"
