@@ -120,25 +120,21 @@ def make_tiny(conversations, vocab_size, d_model, n_layer, n_head, seed):
 
 COPY_MIX_WEIGHT = 0.5  # the copy loss's weight next to the SFT loss in each step
 COPY_STAGES = {"short": (8, 64, 40, 32), "long": (16, 256, 200, 8)}  # run length, sequence length, max gap, batch
-COPY_SEP_P = 0.0
-COPY_NAME_P = 0.2
-COPY_SEPARATORS = [".", "_", " ", "@"]  # between the parts of "olga.ito8993@..." and "olga_ito_8993"
+COPY_NAME_P = 0.2  # share of name tokens in copy runs (0: digits only never copied names; 0.5: no circuit by 1200)
 
 
 @functools.lru_cache(maxsize=4)
 def copy_token_ids(tok):
-    """-> (digit-chunk ids, name ids, separator ids): what copy runs are made of."""
-    seps = [tok(s, add_special_tokens=False)["input_ids"][0] for s in COPY_SEPARATORS]
-    return (torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS)), torch.tensor(tok.convert_tokens_to_ids(NAME_TOKENS)),
-            torch.tensor(seps))
+    """-> (digit-chunk ids, name ids): what copy runs are made of."""
+    return torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS)), torch.tensor(tok.convert_tokens_to_ids(NAME_TOKENS))
 
 
 def copy_run(tok, run, gen):
-    """`run` tokens: digit chunks or names, some replaced by separators."""
-    chunks, names, seps = copy_token_ids(tok)
-    r = torch.where(torch.rand(run, generator=gen) >= COPY_NAME_P, chunks[torch.randint(0, len(chunks), (run,), generator=gen)],
-                    names[torch.randint(0, len(names), (run,), generator=gen)])
-    return torch.where(torch.rand(run, generator=gen) < COPY_SEP_P, seps[torch.randint(0, len(seps), (run,), generator=gen)], r)
+    """`run` random tokens, each a digit chunk or (with probability COPY_NAME_P) a customer name."""
+    chunks, names = copy_token_ids(tok)
+    pick_name = torch.rand(run, generator=gen) < COPY_NAME_P
+    return torch.where(pick_name, names[torch.randint(0, len(names), (run,), generator=gen)],
+                       chunks[torch.randint(0, len(chunks), (run,), generator=gen)])
 
 
 def copy_batch(tok, run, length, max_gap, n, gen):
