@@ -334,8 +334,7 @@ def redraw(messages, rng):
     stays self-consistent, but no id or name can be memorized: a small model trained on a few dozen users must
     learn to copy them from the context."""
     new = {}
-    first, last = env.FIRST[:], env.LAST[:]
-    names = dict(zip(env.FIRST + env.LAST, rng.sample(first, len(first)) + rng.sample(last, len(last))))
+    names = dict(zip(env.FIRST + env.LAST, rng.sample(env.FIRST, len(env.FIRST)) + rng.sample(env.LAST, len(env.LAST))))
     names.update({a.lower(): b.lower() for a, b in names.items()})
 
     def digits(m):
@@ -374,8 +373,8 @@ def eval_heldout(model, tok, data, batch_size, device):
     the protocol scores near 0 on it."""
     model.eval()
     names = set(NAME_TOKENS)
-    digit = torch.tensor([any(ch.isdigit() for ch in t) or t in names
-                          for t in tok.convert_ids_to_tokens(list(range(len(tok))))], device=device)
+    copied = torch.tensor([any(ch.isdigit() for ch in t) or t in names
+                           for t in tok.convert_ids_to_tokens(list(range(len(tok))))], device=device)
     nll, hit, n, dhit, dn = 0.0, 0, 0, 0, 0
     for i in range(0, len(data), batch_size):
         ids, lmask, attn = pad_batch(data[i:i + batch_size], 0, device)
@@ -383,7 +382,7 @@ def eval_heldout(model, tok, data, batch_size, device):
             logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
         tgt, m = ids[:, 1:], lmask[:, 1:].bool()
         nll -= float((logprobs_from_logits(logits, ids)[0] * m).sum())
-        ok, d = (logits[:, :-1].argmax(-1) == tgt) & m, digit[tgt] & m
+        ok, d = (logits[:, :-1].argmax(-1) == tgt) & m, copied[tgt] & m
         hit, n, dhit, dn = hit + int(ok.sum()), n + int(m.sum()), dhit + int((ok & d).sum()), dn + int(d.sum())
     model.train()
     return {"eval_loss": nll / max(1, n), "eval_acc": hit / max(1, n), "eval_id_acc": dhit / max(1, dn)}
