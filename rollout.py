@@ -164,9 +164,10 @@ class HFGenerator:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
         self.kv = {}  # cache key -> (token ids the cache covers, [(k, v) per layer], each (heads, T, head_dim))
 
-    def _layout(self, prompts, cache_keys):
-        """Past cache (DynamicCache or None), new-token ids, attention mask, position ids, prefix lengths."""
-        from transformers import DynamicCache
+    def _layout(self, prompts, cache_keys, max_new_tokens):
+        """Cache (slots [0, P) filled from the episodes' kept caches), new-token ids, attention mask over all
+        P + N + max_new_tokens slots, position ids, prefix lengths, new tokens."""
+        from transformers import StaticCache
         B = len(prompts)
         past = []
         for p, key in zip(prompts, cache_keys or [None] * B):
@@ -185,20 +186,22 @@ class HFGenerator:
             attn[b, P - plen[b]:P] = 1
             attn[b, P + N - len(n):] = 1
             pos[b, N - len(n):] = torch.arange(plen[b], plen[b] + len(n))
-        cache = None
+        # one preallocated cache for the whole call: a growing one (DynamicCache) re-allocates every layer's
+        # (B, heads, T, head_dim) keys and values at each sampled token, which dominated CPU time at B=60, T~1500
+        cache = StaticCache(config=self.model.config, max_cache_len=P + N + max_new_tokens)
         if P:
-            cache = DynamicCache()
-            L = len(next(e for e in past if e)[1])
-            for layer in range(L):
-                k0 = next(e for e in past if e)[1][layer][0]
+            for layer_idx, layer in enumerate(cache.layers):
+                k0 = next(e for e in past if e)[1][layer_idx][0]
                 K = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]))
                 V = torch.zeros_like(K)
                 for b, e in enumerate(past):
                     if e:
-                        K[b, :, P - plen[b]:] = e[1][layer][0]
-                        V[b, :, P - plen[b]:] = e[1][layer][1]
-                cache.update(K, V, layer)
-        return cache, ids.to(self.device), attn.to(self.device), pos.to(self.device), plen, new
+                        K[b, :, P - plen[b]:] = e[1][layer_idx][0]
+                        V[b, :, P - plen[b]:] = e[1][layer_idx][1]
+                layer.update(K.to(self.device), V.to(self.device))  # fills slots [0, P)
+        full = torch.zeros((B, P + N + max_new_tokens), dtype=torch.long)  # attention mask over every slot
+        full[:, :P + N] = attn
+        return cache, ids.to(self.device), full.to(self.device), pos.to(self.device), plen, new
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
@@ -209,11 +212,10 @@ class HFGenerator:
         model.eval()
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed if seed is not None else random.randrange(2**31))
-        cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys)
+        cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys, max_new_tokens)
         kw = _cache_kw(model)
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                    **({kw: cache} if cache is not None else {}))
-        cache = out.past_key_values
+        slot = ids.shape[1] + (max(plen) if plen else 0)  # the next free cache slot
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache})
         logits = out.logits[:, -1, :].float()  # (B, V)
         next_pos = pos[:, -1:] + 1  # (B, 1)
         new_ids = [[] for _ in range(B)]
@@ -229,14 +231,14 @@ class HFGenerator:
             if done.all():
                 break
             tok_ = torch.where(done.to(tok_.device), torch.full_like(tok_, self.pad_id), tok_)
-            attn = torch.cat([attn, torch.ones((B, 1), dtype=attn.dtype, device=attn.device)], dim=1)
+            attn[:, slot] = 1
+            slot += 1
             out = model(input_ids=tok_[:, None], attention_mask=attn, position_ids=next_pos,
                         use_cache=True, **{kw: cache})
-            cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
         if cache_keys is not None:
-            self._keep(cache, attn, prompts, cache_keys, plen, new, new_ids)
+            self._keep(cache, attn[:, :slot], prompts, cache_keys, plen, new, new_ids)
         model.train(was_training)
         return list(zip(new_ids, new_lps))
 
