@@ -36,7 +36,7 @@ def sft_args(data, out, **over):
     """Every option of sft.main with its parser default, then the overrides (kept in sync by test_args_match_sft_parser)."""
     a = dict(data=str(data), model="tiny", out=str(out), steps=300, batch_size=8, grad_accum=1, lr=3e-3, warmup=20,
              weight_decay=0.0, clip=1.0, max_len=2048, eval_every=50, eval_frac=0.05, save_every=100, resume=False,
-             redraw="auto", lm_steps=0, copy_warmup=1200, copy_mix=4, seed=0, vocab_size=1024, d_model=128,
+             redraw="auto", lm_steps=0, copy_warmup=1200, copy_mix=4, seed=0, vocab_size=2048, d_model=128,
              n_layer=4, n_head=4)
     a.update(over)
     return argparse.Namespace(**a)
@@ -484,7 +484,7 @@ def test_copy_batches_repeat_a_run_of_digits_and_names(conversations):
         starts = [a for a in range(c - 7) if row[a:a + 8] == run]
         assert starts and 0 <= c - (starts[0] + 8) < 40  # the same run earlier, within the gap
         assert sum(t in chunk_ids for t in row) == 16  # the rest is "text" filler
-    assert tok.tokenize("#W1234567") == ["#", "W", "123", "456", "7"]  # digit runs are 3-digit chunks
+    assert tok.tokenize("#W1234567")[-3:] == ["123", "456", "7"]  # digit runs are 3-digit chunks
 
 
 def test_save_checkpoint_keeps_newest_two(conversations, tmp_path):
