@@ -174,6 +174,23 @@ def test_oracle_solves_every_kind(sample, oracle_eps):
         assert writes(ep) == gold
 
 
+def test_oracle_restates_the_request_first(sample, oracle_eps):
+    """The oracle's first reply names the first request in fixed words (what a small model copies later) and
+    asks for identification; the scripted user answers it with identification, never with a yes."""
+    verbs = {"cancel": "cancel order", "switch": "cancel order", "modify_items": "change an item in order",
+             "exchange": "exchange an item in order", "modify_address": "to a new address",
+             "user_address": "change your default address", "modify_payment": "with your",
+             "return": "return the", "info": "what you paid for order"}
+    for t, ep in zip(sample, oracle_eps):
+        first = ep.messages[2]
+        assert first["role"] == "assistant" and first["content"].startswith("I can help you "), first
+        assert verbs[t["kind"]] in first["content"], (t["kind"], first["content"])
+        oid = t["script"]["phases"][0]["reads"][0]["arguments"]["order_id"] if t["kind"] != "user_address" else ""
+        assert oid in first["content"]
+        assert env.ASKS_ID.search(first["content"]) and not env.ASKS_YES.search(first["content"])
+        assert not ep.messages[3]["content"].lower().startswith("yes")
+
+
 def test_switch_changes_mind_only_second_write(sample, oracle_eps):
     n = 0
     for t, ep in zip(sample, oracle_eps):
