@@ -4,7 +4,8 @@ evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more checkpoi
     python evaluate.py                      # the demo's base, cold-start (SFT), MUA-RL (SFT+GRPO), RL-only rows
     python evaluate.py --models sft=out/sft grpo=out/grpo --k 4 --temperature 1.0
     python evaluate.py --models out/grpo --tasks ../shared/tau2/retail/tasks.json \
-        --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B
+        --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B \
+        --max-turns 30 --max-new-tokens 1024 --max-len 16384
 
 Every test task is played k times per model. pass^k for a task with c successes out of n trials is
 C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succeed), averaged over tasks;
@@ -96,8 +97,8 @@ def main():
     p.add_argument("--temperature", type=float, default=1.0)  # 0 = greedy (trials then differ only by the user)
     p.add_argument("--db-only", action="store_true")        # skip the communicate_info check
     p.add_argument("--max-turns", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--max-new-tokens", type=int, default=64)  # per agent turn; the tiny model's longest is ~40
+    p.add_argument("--max-len", type=int, default=1024)      # tokens per episode (tiny: an oracle one is <600)
     p.add_argument("--user", default=None)                  # None: scripted; a model path, "smollm2", or a URL
     p.add_argument("--user-model", default=None)
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"])

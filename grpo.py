@@ -8,7 +8,7 @@ calling real tools, and learns from the 0/1 task reward alone with GRPO (no valu
 
 GPU recipe of the paper (Qwen3-8B after cold-start SFT; 8 ranks; a vLLM server for the user):
     torchrun --nproc_per_node 8 grpo.py --model out/sft_qwen3_8b --backend vllm --group 8 --batch-tasks 32 \
-        --lr 1e-6 --clip 0.2 --beta 0.001 --max-turns 30 --max-new-tokens 1024 \
+        --lr 1e-6 --clip 0.2 --beta 0.001 --max-turns 30 --max-new-tokens 1024 --max-len 16384 \
         --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B
 
 One step: sample B train tasks; play G rollouts of each (temperature 1.0) through rollout.run_episodes with
@@ -182,8 +182,8 @@ def main():
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-turns", type=int, default=16)       # agent turns per episode (paper: 30)
-    p.add_argument("--max-new-tokens", type=int, default=128) # per agent turn
-    p.add_argument("--max-len", type=int, default=2048)       # tokens per episode
+    p.add_argument("--max-new-tokens", type=int, default=64)  # per agent turn; the tiny model's longest is ~40
+    p.add_argument("--max-len", type=int, default=1024)      # tokens per episode (tiny: an oracle one is <600)
     p.add_argument("--user", default=None)                    # None: scripted; a model path, "smollm2", or a URL
     p.add_argument("--user-model", default=None)              # model name at that URL
     p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
