@@ -87,7 +87,10 @@ def build_tiny_tokenizer(texts, vocab_size=2048):
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(texts, trainer)
+    # train on the text between special tokens: without the regex a merge could otherwise swallow one
+    # ('###STOP###<|im_end|>'), and a sampled token would then spell an end of turn that is not one
+    special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+    tk.train_from_iterator((piece for t in texts for piece in special.split(t) if piece), trainer)
     # added tokens are matched before pre-tokenization, longest first: a digit run is cut into 3-digit chunks
     tk.add_tokens(DIGIT_CHUNKS + NAME_TOKENS)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",

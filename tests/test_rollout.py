@@ -65,13 +65,13 @@ def tok_pad_eos(tok):
 def model(tok):
     m = sft.build_tiny_model(tok, d_model=64, n_layer=2, n_head=2)
     # A random model almost never samples the end-of-turn token; a fixed bonus on its logit makes turns end
-    # after ~30 tokens, so episodes have several turns. It is part of the model: sampling and the reference
+    # after ~25 tokens, so episodes have several turns. It is part of the model: sampling and the reference
     # forward both see it.
     eos = tok.eos_token_id
 
     def bonus(module, inputs, out):
         out = out.clone()
-        out[..., eos] += 3.5
+        out[..., eos] += 4.5
         return out
     m.lm_head.register_forward_hook(bonus)
     return m.eval()

@@ -36,7 +36,7 @@ def sft_args(data, out, **over):
     """Every option of sft.main with its parser default, then the overrides (kept in sync by test_args_match_sft_parser)."""
     a = dict(data=str(data), model="tiny", out=str(out), steps=300, batch_size=8, grad_accum=1, lr=3e-3, warmup=20,
              weight_decay=0.0, clip=1.0, max_len=2048, eval_every=50, eval_frac=0.05, save_every=100, resume=False,
-             redraw="auto", lm_steps=0, copy_warmup=1200, copy_mix=4, seed=0, vocab_size=2048, d_model=128,
+             redraw="auto", lm_steps=0, copy_warmup=900, copy_mix=4, seed=0, vocab_size=2048, d_model=128,
              n_layer=4, n_head=4)
     a.update(over)
     return argparse.Namespace(**a)
@@ -595,3 +595,15 @@ def test_tiny_tokenizer_keeps_names_whole(conversations):
                        ("olga.ito8993@example.com", "olga"), ("olga_ito_8993", "ito")):
         assert name in tok.tokenize(text), text  # the same token after a space, a quote, a dot or an underscore
     assert tok.decode(tok("olga.ito8993@example.com")["input_ids"]) == "olga.ito8993@example.com"
+
+
+def test_tiny_tokenizer_merges_never_swallow_special_tokens(conversations):
+    """The BPE merges across spaces and punctuation, but no ordinary token may spell a special one: a sampled
+    '###STOP###<|im_end|>' token would read as an end of turn that the sampler does not see."""
+    tok, _ = sft.make_tiny(conversations[:40], 2048, 16, 1, 2, SEED)
+    special = set(tok.convert_tokens_to_ids(sft.SPECIAL_TOKENS))
+    for i in range(len(tok)):
+        if i not in special:
+            text = tok.decode([i])
+            assert not any(s in text for s in sft.SPECIAL_TOKENS), (i, text)
+    assert len(tok("I will cancel order #W")["input_ids"]) < 4  # merges do cross spaces
