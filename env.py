@@ -901,7 +901,7 @@ def _other_variant(db, item, rng):
 
 def _phase(db, user, kind, rng, order=None):
     """One request a user can make: what they say, the reads and write that serve it, what the agent's
-    confirmation must mention. None when this user has nothing to make that request about."""
+    confirmation must mention, and its gist in the agent's fixed words (the oracle's restatement). None when this user has nothing to make that request about."""
     uid, pms = user["user_id"], user["payment_methods"]
     status = {"cancel": "pending", "modify_items": "pending", "modify_address": "pending",
               "modify_payment": "pending", "return": "delivered", "exchange": "delivered"}.get(kind)
@@ -917,7 +917,7 @@ def _phase(db, user, kind, rng, order=None):
         why = REASONS[reason]
         say = [f"I want to cancel my order {oid} because {why[0]}.", f"Please cancel order {oid}, {why[1]}."]
         return dict(say=say, reads=reads, write=_act("cancel_pending_order", order_id=oid, reason=reason),
-                    confirm_keys=[oid, "cancel", reason])
+                    confirm_keys=[oid, "cancel", reason], gist=f"cancel order {oid} ({reason})")
     if kind in ("modify_items", "exchange"):
         item = rng.choice(order["items"])
         new = _other_variant(db, item, rng)
@@ -933,7 +933,7 @@ def _phase(db, user, kind, rng, order=None):
         write = _act(tool, order_id=oid, item_ids=[item["item_id"]], new_item_ids=[new["item_id"]],
                      payment_method_id=src)
         return dict(say=say, reads=reads + [_act("get_product_details", product_id=item["product_id"])],
-                    write=write, confirm_keys=[oid, val])
+                    write=write, confirm_keys=[oid, val], gist=f"{verb} an item in order {oid} for the {val} one")
     if kind in ("modify_address", "user_address"):
         a = _random_address(rng)
         where = f"{a['address1']}{', ' + a['address2'] if a['address2'] else ''}, {a['city']}, {a['state']} {a['zip']}"
@@ -941,11 +941,12 @@ def _phase(db, user, kind, rng, order=None):
             say = [f"Please change the shipping address of order {oid} to {where}.",
                    f"I need order {oid} shipped to a new address: {where}."]
             write = _act("modify_pending_order_address", order_id=oid, **a)
-            return dict(say=say, reads=reads, write=write, confirm_keys=[oid, a["address1"]])
+            return dict(say=say, reads=reads, write=write, confirm_keys=[oid, a["address1"]],
+                        gist=f"ship order {oid} to a new address")
         say = [f"I moved. Please update my default address to {where}.",
                f"Can you change the address on my account to {where}?"]
         return dict(say=say, reads=[], write=_act("modify_user_address", user_id=uid, **a),
-                    confirm_keys=[a["address1"]])
+                    confirm_keys=[a["address1"]], gist="change your default address")
     if kind == "modify_payment":
         paid = order["payment_history"][0]
         others = [p for p in pms if p != paid["payment_method_id"]
@@ -957,21 +958,24 @@ def _phase(db, user, kind, rng, order=None):
         say = [f"I want to pay for order {oid} with my {word} instead.",
                f"Could you switch the payment method of order {oid} to my {word}?"]
         return dict(say=say, reads=reads, write=_act("modify_pending_order_payment", order_id=oid,
-                                                     payment_method_id=new), confirm_keys=[oid, new])
+                                                     payment_method_id=new), confirm_keys=[oid, new],
+                    gist=f"pay for order {oid} with your {word}")
     if kind == "return":
         item = rng.choice(order["items"])
         say = [f"I want to return the {item['name']} from order {oid}.",
                f"I'd like to send back the {item['name']} I got in order {oid}."]
         write = _act("return_delivered_order_items", order_id=oid, item_ids=[item["item_id"]],
                      payment_method_id=order["payment_history"][0]["payment_method_id"])
-        return dict(say=say, reads=reads, write=write, confirm_keys=[oid, item["name"]])
+        return dict(say=say, reads=reads, write=write, confirm_keys=[oid, item["name"]],
+                    gist=f"return the {item['name']} from order {oid}")
     if kind == "info":
         order = order or rng.choice([db["orders"][o] for o in user["orders"]])
         oid = order["order_id"]
         total = json.dumps(order["payment_history"][0]["amount"])
         say = [f"How much did I pay for order {oid}?", f"Can you tell me the total I paid for order {oid}?"]
         return dict(say=say, reads=[_act("get_order_details", order_id=oid)], write=None,
-                    answer=f"You paid {total} for order {oid}.", answer_keys=[total])
+                    answer=f"You paid {total} for order {oid}.", answer_keys=[total],
+                    gist=f"look up what you paid for order {oid}")
     raise ValueError(f"unknown task kind {kind!r}")
 
 

@@ -178,20 +178,20 @@ class HFGenerator:
         new = [p[len(e[0]):] if e else p for p, e in zip(prompts, past)]
         N = max(len(n) for n in new)
         ids = torch.full((B, N), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, P + N), dtype=torch.long)
+        attn = torch.zeros((B, P + N + max_new_tokens), dtype=torch.long)  # over every cache slot of the call
         pos = torch.zeros((B, N), dtype=torch.long)
         plen = [len(e[0]) if e else 0 for e in past]
         for b, n in enumerate(new):
             ids[b, N - len(n):] = torch.tensor(n)
             attn[b, P - plen[b]:P] = 1
-            attn[b, P + N - len(n):] = 1
+            attn[b, P + N - len(n):P + N] = 1
             pos[b, N - len(n):] = torch.arange(plen[b], plen[b] + len(n))
         # one preallocated cache for the whole call: a growing one (DynamicCache) re-allocates every layer's
         # (B, heads, T, head_dim) keys and values at each sampled token, which dominated CPU time at B=60, T~1500
         cache = StaticCache(config=self.model.config, max_cache_len=P + N + max_new_tokens)
         if P:
+            k0 = next(e for e in past if e)[1][0][0]  # (heads, T, head_dim): dtype, device and sizes
             for layer_idx, layer in enumerate(cache.layers):
-                k0 = next(e for e in past if e)[1][layer_idx][0]
                 K = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]))
                 V = torch.zeros_like(K)
                 for b, e in enumerate(past):
@@ -199,9 +199,7 @@ class HFGenerator:
                         K[b, :, P - plen[b]:] = e[1][layer_idx][0]
                         V[b, :, P - plen[b]:] = e[1][layer_idx][1]
                 layer.update(K.to(self.device), V.to(self.device))  # fills slots [0, P)
-        full = torch.zeros((B, P + N + max_new_tokens), dtype=torch.long)  # attention mask over every slot
-        full[:, :P + N] = attn
-        return cache, ids.to(self.device), full.to(self.device), pos.to(self.device), plen, new
+        return cache, ids.to(self.device), attn.to(self.device), pos.to(self.device), plen, new
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
@@ -214,7 +212,7 @@ class HFGenerator:
         gen.manual_seed(seed if seed is not None else random.randrange(2**31))
         cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys, max_new_tokens)
         kw = _cache_kw(model)
-        slot = ids.shape[1] + (max(plen) if plen else 0)  # the next free cache slot
+        slot = attn.shape[1] - max_new_tokens  # the next free cache slot: P + N
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache})
         logits = out.logits[:, -1, :].float()  # (B, V)
         next_pos = pos[:, -1:] + 1  # (B, 1)

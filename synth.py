@@ -66,30 +66,6 @@ def _confirm_text(write, extra, rng):
     return f"I will {what}. {ask}"
 
 
-def _gist(phase):
-    """The request in the agent's own fixed words, said right after the user's opening. A small model then
-    decides what the user wants next to what they said, and later turns (hundreds of tokens on) copy the
-    decision from this sentence instead of re-reading the user's free wording."""
-    w, keys = phase["write"], phase.get("confirm_keys", [])
-    if w is None:  # an information request
-        return f"look up what you paid for order {phase['reads'][0]['arguments']['order_id']}"
-    a, name = w["arguments"], w["name"]
-    if name == "cancel_pending_order":
-        return f"cancel order {a['order_id']} ({a['reason']})"
-    if name in ("modify_pending_order_items", "exchange_delivered_order_items"):
-        verb = "change" if name.startswith("modify") else "exchange"
-        return f"{verb} an item in order {a['order_id']} for the {keys[1]} one"
-    if name == "modify_pending_order_address":
-        return f"ship order {a['order_id']} to a new address"
-    if name == "modify_user_address":
-        return "change your default address"
-    if name == "modify_pending_order_payment":
-        return f"pay for order {a['order_id']} with your {env.SOURCE_WORDS[a['payment_method_id'].rsplit('_', 1)[0]]}"
-    if name == "return_delivered_order_items":
-        return f"return the {keys[1]} from order {a['order_id']}"
-    raise ValueError(name)
-
-
 class OracleAgent:
     """Follows the task's gold plan through real messages: asks for identification and parses the user's
     answer, looks things up one call at a time, states the write and waits for a yes, moves on to the next
@@ -158,7 +134,9 @@ class OracleAgent:
         ])
         if any(m["role"] == "assistant" for m in messages):
             return ask
-        return f"I can help you {_gist(self._phase())}. {ask}"
+        # the request restated in fixed words next to the user's own: a small model decides the action here,
+        # and later turns (hundreds of tokens on) copy it from this sentence instead of the user's free wording
+        return f"I can help you {self._phase()['gist']}. {ask}"
 
     def _propose(self):
         p = self._phase()
