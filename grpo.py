@@ -86,7 +86,8 @@ def update(model, ref, opt, eps, advs, args, device, world):
     for epoch in range(args.ppo_epochs):
         random.Random(args.seed + epoch).shuffle(order)
         for mb in range(args.mini_batches):
-            idx = order[mb::args.mini_batches]
+            # micro-batches of similar lengths pad less; the summed loss, hence the gradient, is the same
+            idx = sorted(order[mb::args.mini_batches], key=lambda i: len(eps[i].ids))
             # token-level normalisation over the global mini-batch: count policy tokens on every rank
             total = all_reduce_sum(torch.tensor(float(sum(sum(eps[i].loss_mask) for i in idx))))
             total = max(1.0, float(total))
