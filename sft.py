@@ -402,10 +402,10 @@ def main():
     p.add_argument("--data", default="data/sft.jsonl")        # synth.py's output
     p.add_argument("--model", default="tiny")                 # "tiny" or a path / hub id of a chat model
     p.add_argument("--out", default="out/sft")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=8)       # conversations per micro-batch (per rank)
     p.add_argument("--grad-accum", type=int, default=1)       # micro-batches per optimizer step
-    p.add_argument("--lr", type=float, default=3e-3)          # tiny model from scratch; ~1e-5 for a pretrained 8B
+    p.add_argument("--lr", type=float, default=5e-3)          # tiny model from scratch; ~1e-5 for a pretrained 8B
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--clip", type=float, default=1.0)

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one tor
 
 def sft_args(data, out, **over):
     """Every option of sft.main with its parser default, then the overrides (kept in sync by test_args_match_sft_parser)."""
-    a = dict(data=str(data), model="tiny", out=str(out), steps=300, batch_size=8, grad_accum=1, lr=3e-3, warmup=20,
+    a = dict(data=str(data), model="tiny", out=str(out), steps=400, batch_size=8, grad_accum=1, lr=5e-3, warmup=20,
              weight_decay=0.0, clip=1.0, max_len=2048, eval_every=50, eval_frac=0.05, save_every=100, resume=False,
              redraw="auto", lm_steps=0, copy_warmup=900, copy_mix=4, seed=0, vocab_size=2048, d_model=128,
              n_layer=4, n_head=4)
