@@ -172,7 +172,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-tasks", type=int, default=8)      # B: tasks per step (global)
     p.add_argument("--group", type=int, default=8)            # G: rollouts per task
-    p.add_argument("--lr", type=float, default=2e-4)          # tiny model; the paper uses 1e-6 on 8B
+    p.add_argument("--lr", type=float, default=5e-5)          # tiny model (2e-4 broke it); the paper: 1e-6 on 8B
     p.add_argument("--clip", type=float, default=0.2)
     p.add_argument("--beta", type=float, default=0.0)         # k3 KL weight; 0 loads no reference model
     p.add_argument("--mean-only", action="store_true")        # advantage r - mean (no std division)
