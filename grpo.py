@@ -79,21 +79,29 @@ def episode_batch(eps, advs, device):
 
 
 def update(model, ref, opt, eps, advs, args, device, world):
-    """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches."""
+    """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
+    With beta 0 an episode whose advantage is 0 (every episode of a zero-spread group) contributes exactly zero
+    gradient, so its forward/backward is skipped; it still counts in the token denominator, so the loss (and
+    the gradient) is the same as if it had run. Here that is half the episodes or more."""
     stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
     order = list(range(len(eps)))
-    n_updates = 0
+    n_updates, n_ent = 0, 0.0
     for epoch in range(args.ppo_epochs):
         random.Random(args.seed + epoch).shuffle(order)
         for mb in range(args.mini_batches):
-            # micro-batches of similar lengths pad less; the summed loss, hence the gradient, is the same
-            idx = sorted(order[mb::args.mini_batches], key=lambda i: len(eps[i].ids))
+            idx = order[mb::args.mini_batches]
             # token-level normalisation over the global mini-batch: count policy tokens on every rank
             total = all_reduce_sum(torch.tensor(float(sum(sum(eps[i].loss_mask) for i in idx))))
             total = max(1.0, float(total))
-            for k in range(0, len(idx), args.micro_batch):
-                sub = [eps[i] for i in idx[k:k + args.micro_batch]]
-                ids, mask, attn, old, adv = episode_batch(sub, advs[idx[k:k + args.micro_batch]], device)
+            # micro-batches of similar lengths pad less; the summed loss, hence the gradient, is the same
+            work = sorted((i for i in idx if args.beta > 0 or advs[i] != 0), key=lambda i: len(eps[i].ids))
+            chunks = [work[k:k + args.micro_batch] for k in range(0, len(work), args.micro_batch)]
+            # DDP all-reduces gradients inside every backward: each rank must run as many, so a rank with fewer
+            # chunks runs dummy ones (an episode with its loss times 0)
+            n_chunks = int(all_reduce_max(torch.tensor(len(chunks))))
+            for k in range(n_chunks):
+                sub, scale = (chunks[k], 1.0) if k < len(chunks) else (idx[:1], 0.0)
+                ids, mask, attn, old, adv = episode_batch([eps[i] for i in sub], advs[sub], device)
                 with autocast(device):
                     new, ent = forward_logprobs(model, ids, attn, args.temperature)
                     ref_lp = None
@@ -101,16 +109,26 @@ def update(model, ref, opt, eps, advs, args, device, world):
                         with torch.no_grad():
                             ref_lp, _ = forward_logprobs(ref, ids, attn, args.temperature)
                 loss, st = policy_loss(new, old, adv, mask, args.clip, args.beta, ref_lp)
-                (loss / total * world).backward()  # DDP averages over ranks; * world keeps the global token mean
-                stats["loss"] += float(loss.detach()) / total
-                stats["clip_frac"] += float(st["clipped"]) / total
-                stats["kl"] += float(st.get("kl", 0.0)) / total
-                stats["entropy"] += float((ent.detach() * mask).sum()) / total
+                # DDP averages over ranks; * world keeps the global token mean
+                (loss * (scale / total * world)).backward()
+                stats["loss"] += scale * float(loss.detach()) / total
+                stats["clip_frac"] += scale * float(st["clipped"]) / total
+                stats["kl"] += scale * float(st.get("kl", 0.0)) / total
+                stats["entropy"] += scale * float((ent.detach() * mask).sum())
+                n_ent += scale * float(mask.sum())
             stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
             n_updates += 1
-    return {k: v / n_updates for k, v in stats.items()}
+    stats = {k: v / n_updates for k, v in stats.items()}
+    stats["entropy"] = stats["entropy"] * n_updates / max(1.0, n_ent)  # mean over the tokens that ran (this rank)
+    return stats
+
+
+def all_reduce_max(x):
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """GRPO's objective on hand-computed cases, gradient masking, zero-spread groups, pass^k, and a short run
 that learns an easy task."""
+import copy
 import math
 import random
 from types import SimpleNamespace
@@ -119,6 +120,28 @@ def test_token_level_normalisation_across_micro_batches(tiny):
     assert not torch.allclose(seq_mean, grads[0], atol=1e-4)
 
 
+def test_zero_advantage_episodes_skipped_with_the_same_gradient(tiny, monkeypatch):
+    """Episodes of zero-spread groups (advantage 0) are not forwarded when beta is 0, yet their tokens stay in
+    the denominator: the gradient equals the full batch's token mean."""
+    tok, model = tiny
+    eps = [_episode(tok, [0] * 3 + [1] * n + [0] * 2, s) for s, n in enumerate([2, 7, 4, 1, 5, 3])]
+    advs = torch.tensor([1.0, 0.0, -0.5, 0.0, 0.0, 2.0])
+    ids, m, attn, old, adv = grpo.episode_batch(eps, advs, "cpu")
+    new, _ = grpo.forward_logprobs(model, ids, attn, 1.0)
+    (grpo.policy_loss(new, old, adv, m)[0] / m.sum()).backward()
+    full = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    seen, real = [], grpo.forward_logprobs
+    monkeypatch.setattr(grpo, "forward_logprobs", lambda mdl, i, *a: seen.append(i.shape[0]) or real(mdl, i, *a))
+    opt = CaptureOpt(model)
+    grpo.update(model, None, opt, eps, advs, _args(micro_batch=2), "cpu", 1)
+    assert sum(seen) == 3  # only the three episodes with a nonzero advantage ran
+    assert torch.allclose(opt.grads[0], full, atol=1e-6) and full.abs().max() > 0
+    seen.clear()
+    grpo.update(model, copy.deepcopy(model), CaptureOpt(model), eps, advs, _args(beta=0.1), "cpu", 1)
+    assert sum(seen) == 2 * 6  # with a KL term every episode has a gradient: all run (policy and reference)
+
+
 def test_gradient_only_through_policy_tokens(tiny):
     tok, model = tiny
     mask = [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0]  # prompt, agent turn, tool turn, agent turn, user turn
@@ -234,3 +257,42 @@ def test_short_grpo_run_learns_easy_task():
     after = _success(gen, tok, db, task, oid, 48, seed=2)
     print(f"easy task: success {before:.2f} -> {after:.2f} after 25 GRPO steps")
     assert after >= before + 0.15, (before, after)
+
+
+# ----------------------------------------------------------------------------------------------------
+# DDP: a rank whose episodes all have advantage 0 skips their work but must still join every gradient
+# all-reduce, or the other rank hangs in its backward
+
+
+def _ddp_rank(rank, world, port, model, eps, advs, out):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = CaptureOpt(model)
+    mine = slice(rank * 2, rank * 2 + 2)
+    grpo.update(ddp, None, opt, eps[mine], advs[mine], _args(micro_batch=1), "cpu", world)
+    if rank == 0:
+        torch.save(opt.grads[0], out)
+    torch.distributed.destroy_process_group()
+
+
+def test_ddp_rank_with_only_zero_advantages_joins_the_all_reduce(tiny, tmp_path):
+    tok, model = tiny
+    eps = [_episode(tok, [0] * 3 + [1] * n + [0] * 2, s) for s, n in enumerate([2, 7, 4, 1])]
+    advs = torch.tensor([1.0, -0.5, 0.0, 0.0])  # rank 0: two chunks of work, rank 1: none (two dummies)
+    opt = CaptureOpt(model)
+    grpo.update(model, None, opt, eps, advs, _args(micro_batch=1), "cpu", 1)
+    port = 29500 + random.Random().randrange(2000)
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, model, eps, advs, tmp_path / "g.pt"),
+                         daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # None: a rank hung
+    assert torch.allclose(torch.load(tmp_path / "g.pt"), opt.grads[0], atol=1e-6)
