@@ -129,6 +129,7 @@ def make_tiny(conversations, vocab_size, d_model, n_layer, n_head, seed):
 
 COPY_MIX_WEIGHT = 0.5  # the copy loss's weight next to the SFT loss in each step
 COPY_STAGES = {"short": (24, 64, 16, 32), "long": (16, 256, 200, 8)}  # run length, sequence length, max gap, batch
+COPY_FORMED = 1.0  # short-stage copy loss (20-step mean) that says the circuit formed; the plateau sits at ~6.5
 COPY_NAME_P = 0.2  # share of name tokens in copy runs (0: digits only never copied names; 0.5: no circuit by 1200)
 
 
@@ -180,18 +181,28 @@ def copy_accuracy(model, tok, device, seed=0):
 
 
 def copy_warmup(model, tok, steps, lr, device, seed):
-    """`steps` optimizer steps on copy sequences (2/3 short, then long) with their own AdamW. -> copy accuracy."""
+    """Copy-task steps with their own AdamW: the short stage until the induction circuit has formed (the mean copy
+    loss of the last 20 steps below COPY_FORMED; at most `steps` steps), then steps // 3 long ones. When the circuit
+    forms varies with the seed: measured at step ~250 (seed 0) and after 540 (seed 1), so a fixed switch to the
+    long stage (once at step 600) could end the warm-up with no circuit (copy_acc 0.03). -> (copy accuracy, short steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(seed)
-    bar = tqdm(range(steps), desc="copy warm-up")
+    recent, short = [], steps
+    bar = tqdm(range(steps + steps // 3), desc="copy warm-up")
     for step in bar:
-        loss = copy_loss(model, tok, "short" if step < 2 * steps // 3 else "long", gen, device)
+        stage = "short" if step < short else "long"
+        loss = copy_loss(model, tok, stage, gen, device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{float(loss.detach()):.2f}")
-    return copy_accuracy(model, tok, device)
+        recent = (recent + [float(loss.detach())])[-20:]
+        if stage == "short" and len(recent) == 20 and sum(recent) / 20 < COPY_FORMED:
+            short = step + 1
+        if step + 1 == short + steps // 3:
+            break
+        bar.set_postfix(loss=f"{recent[-1]:.2f}", stage=stage)
+    return copy_accuracy(model, tok, device), short
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -416,7 +427,7 @@ def main():
     p.add_argument("--resume", action="store_true")
     p.add_argument("--redraw", default="auto", choices=["auto", "on", "off"])  # ids and names; auto: on for tiny
     p.add_argument("--lm-steps", type=int, default=0)         # first steps with loss on every token (from scratch)
-    p.add_argument("--copy-warmup", type=int, default=900)    # tiny model only: copy-task steps before SFT
+    p.add_argument("--copy-warmup", type=int, default=900)    # tiny model only: most short copy steps before SFT (+1/3 long)
     p.add_argument("--copy-mix", type=int, default=4)         # tiny model only: copy sequences in every SFT step
     p.add_argument("--seed", type=int, default=0)
     # the tiny model (only with --model tiny)
@@ -446,8 +457,8 @@ def train(args):
             save_checkpoint(os.path.join(args.out, "init"), 0, model, tok)
         if args.copy_warmup:  # every rank runs the same seeded warm-up, so the replicas stay equal
             t0 = time.time()
-            warm = {"copy_acc": copy_warmup(model, tok, args.copy_warmup, args.lr, device, args.seed),
-                    "copy_warmup_s": round(time.time() - t0, 1)}
+            acc, short = copy_warmup(model, tok, args.copy_warmup, args.lr, device, args.seed)
+            warm = {"copy_acc": acc, "copy_short_steps": short, "copy_warmup_s": round(time.time() - t0, 1)}
     else:
         model, tok = load_model(args.model, device=device)
     def encode(c):

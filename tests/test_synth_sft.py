@@ -487,6 +487,24 @@ def test_copy_batches_repeat_a_run_of_digits_and_names(conversations):
     assert tok.tokenize("#W1234567")[-3:] == ["123", "456", "7"]  # digit runs are 3-digit chunks
 
 
+@pytest.mark.parametrize("formed_at, short, total", [(30, 48, 48 + 30), (None, 90, 90 + 30)])
+def test_copy_warmup_stays_short_until_the_circuit_forms(conversations, monkeypatch, formed_at, short, total):
+    """The short stage ends once the 20-step mean copy loss is below COPY_FORMED (18 low steps here), or after `steps`; then
+    steps // 3 long steps follow: a seed whose circuit forms late is not switched to long contexts too early."""
+    tok, model = sft.make_tiny(conversations[:4], 300, 16, 1, 2, SEED)
+    stages = []
+
+    def fake_loss(model, tok, stage, gen, device):
+        stages.append(stage)
+        low = formed_at is not None and len(stages) > formed_at
+        return sum(p.sum() for p in model.parameters()) * 0 + (0.2 if low else 6.5)
+
+    monkeypatch.setattr(sft, "copy_loss", fake_loss)
+    acc, got_short = sft.copy_warmup(model, tok, 90, 1e-3, "cpu", 0)
+    assert got_short == short and len(stages) == total and 0 <= acc <= 1
+    assert stages == ["short"] * short + ["long"] * (total - short)
+
+
 def test_save_checkpoint_keeps_newest_two(conversations, tmp_path):
     tok, model = sft.make_tiny(conversations[:4], 300, 16, 1, 2, SEED)
     for step in (10, 20, 30):
