@@ -901,7 +901,8 @@ def _other_variant(db, item, rng):
 
 def _phase(db, user, kind, rng, order=None):
     """One request a user can make: what they say, the reads and write that serve it, what the agent's
-    confirmation must mention, and its gist in the agent's fixed words (the oracle's restatement). None when this user has nothing to make that request about."""
+    confirmation must mention, and its gist in the agent's fixed words (the oracle's restatement). None when
+    this user has nothing to make that request about."""
     uid, pms = user["user_id"], user["payment_methods"]
     status = {"cancel": "pending", "modify_items": "pending", "modify_address": "pending",
               "modify_payment": "pending", "return": "delivered", "exchange": "delivered"}.get(kind)

@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import env
 from rollout import HFGenerator, VLLMGenerator, run_episodes
-from sft import (all_reduce_sum, autocast, load_model, logprobs_from_logits, open_metrics, pad_batch,
-                 resolve_checkpoint, save_checkpoint, setup_distributed, unwrap)
+from sft import (all_reduce_max, all_reduce_sum, autocast, load_model, logprobs_from_logits, open_metrics,
+                 pad_batch, resolve_checkpoint, save_checkpoint, setup_distributed, unwrap)
 
 # ----------------------------------------------------------------------------------------------------
 # the objective
@@ -83,9 +83,10 @@ def update(model, ref, opt, eps, advs, args, device, world):
     With beta 0 an episode whose advantage is 0 (every episode of a zero-spread group) contributes exactly zero
     gradient, so its forward/backward is skipped; it still counts in the token denominator, so the loss (and
     the gradient) is the same as if it had run. Here that is half the episodes or more."""
-    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "grad_norm": 0.0}  # means over optimizer steps
+    ent_sum, ent_n = 0.0, 0.0  # entropy: a mean over the policy tokens that ran on this rank
     order = list(range(len(eps)))
-    n_updates, n_ent = 0, 0.0
+    n_updates = 0
     for epoch in range(args.ppo_epochs):
         random.Random(args.seed + epoch).shuffle(order)
         for mb in range(args.mini_batches):
@@ -114,21 +115,13 @@ def update(model, ref, opt, eps, advs, args, device, world):
                 stats["loss"] += scale * float(loss.detach()) / total
                 stats["clip_frac"] += scale * float(st["clipped"]) / total
                 stats["kl"] += scale * float(st.get("kl", 0.0)) / total
-                stats["entropy"] += scale * float((ent.detach() * mask).sum())
-                n_ent += scale * float(mask.sum())
+                ent_sum += scale * float((ent.detach() * mask).sum())
+                ent_n += scale * float(mask.sum())
             stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
             n_updates += 1
-    stats = {k: v / n_updates for k, v in stats.items()}
-    stats["entropy"] = stats["entropy"] * n_updates / max(1.0, n_ent)  # mean over the tokens that ran (this rank)
-    return stats
-
-
-def all_reduce_max(x):
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
-    return x
+    return {**{k: v / n_updates for k, v in stats.items()}, "entropy": ent_sum / max(1.0, ent_n)}
 
 
 # ----------------------------------------------------------------------------------------------------

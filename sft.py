@@ -183,11 +183,11 @@ def copy_accuracy(model, tok, device, seed=0):
 def copy_warmup(model, tok, steps, lr, device, seed):
     """Copy-task steps with their own AdamW: the short stage until the induction circuit has formed (the mean copy
     loss of the last 20 steps below COPY_FORMED; at most `steps` steps), then steps // 3 long ones. When the circuit
-    forms varies with the seed: measured at step ~250 (seed 0) and after 540 (seed 1), so a fixed switch to the
-    long stage (once at step 600) could end the warm-up with no circuit (copy_acc 0.03). -> (copy accuracy, short steps)."""
+    forms varies with the seed (step 621 for seed 0; seed 1 still above at 1500), and the fixed switch at step 600
+    this replaces left seed 1 with no circuit (copy_acc 0.03). -> (copy accuracy, short-stage steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(seed)
-    recent, short = [], steps
+    recent, short = [], steps  # short: where the long stage starts, moved earlier once the circuit has formed
     bar = tqdm(range(steps + steps // 3), desc="copy warm-up")
     for step in bar:
         stage = "short" if step < short else "long"
@@ -274,6 +274,12 @@ def setup_distributed():
 def all_reduce_sum(x):
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(x)
+    return x
+
+
+def all_reduce_max(x):
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
     return x
 
 
@@ -427,7 +433,7 @@ def main():
     p.add_argument("--resume", action="store_true")
     p.add_argument("--redraw", default="auto", choices=["auto", "on", "off"])  # ids and names; auto: on for tiny
     p.add_argument("--lm-steps", type=int, default=0)         # first steps with loss on every token (from scratch)
-    p.add_argument("--copy-warmup", type=int, default=900)    # tiny model only: most short copy steps before SFT (+1/3 long)
+    p.add_argument("--copy-warmup", type=int, default=900)    # tiny only: at most this many short copy steps, + 1/3 long
     p.add_argument("--copy-mix", type=int, default=4)         # tiny model only: copy sequences in every SFT step
     p.add_argument("--seed", type=int, default=0)
     # the tiny model (only with --model tiny)
