@@ -2,14 +2,16 @@
 evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more checkpoints.
 
     python evaluate.py                      # the demo's base, cold-start (SFT), MUA-RL (SFT+GRPO), RL-only rows
-    python evaluate.py --models sft=out/sft grpo=out/grpo --k 4 --temperature 1.0
+    python evaluate.py --models sft=out/sft grpo=out/grpo --k 4 --temperature 1.0   # sampled trials
     python evaluate.py --models out/grpo --tasks ../shared/tau2/retail/tasks.json \
         --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B \
         --max-turns 30 --max-new-tokens 1024 --max-len 16384
 
 Every test task is played k times per model. pass^k for a task with c successes out of n trials is
 C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succeed), averaged over tasks;
-pass^1 is the average reward. Episodes whose user simulator failed are left out of n (and counted).
+pass^1 is the average reward. The agent decodes greedily by default (tau-bench's default), so trials differ
+through the user simulator: the scripted user draws its wording from the trial's seed. Episodes whose user
+simulator failed are left out of n (and counted).
 By default the reward also checks the information the agent had to communicate (`communicate_info`), as
 tau-bench's evaluation does; --db-only scores the database alone, as training does.
 Prints a markdown table (overall and per task kind) and writes every transcript to JSONL.
@@ -94,7 +96,9 @@ def main():
     p.add_argument("--db", default=None)                    # default: <data-dir>/shop.json
     p.add_argument("--n-tasks", type=int, default=None)     # only the first n tasks
     p.add_argument("--k", type=int, default=4)              # trials per task
-    p.add_argument("--temperature", type=float, default=1.0)  # 0 = greedy (trials then differ only by the user)
+    # the agent decodes greedily, as tau-bench's run.py does by default (--temperature 0.0): pass^k then measures
+    # consistency over the user's variations (the scripted user words each trial differently), not sampling luck
+    p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--db-only", action="store_true")        # skip the communicate_info check
     p.add_argument("--max-turns", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)  # per agent turn; the tiny model's longest is ~40

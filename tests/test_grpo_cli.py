@@ -230,6 +230,7 @@ def test_parser_defaults_cover_the_namespaces():
     assert a["beta"] == 0.0 and a["drop_zero_spread"] is False and a["resume"] is False
     e = parser_defaults(evaluate)
     assert e["user"] is None and e["k"] == 4
+    assert e["temperature"] == 0.0  # greedy agent, as tau-bench's run.py: trials differ through the user
 
 
 # ----------------------------------------------------------------------------------------------------
