@@ -184,7 +184,9 @@ def copy_warmup(model, tok, steps, lr, device, seed):
     """Copy-task steps with their own AdamW: the short stage until the induction circuit has formed (the mean copy
     loss of the last 20 steps below COPY_FORMED; at most `steps` steps), then steps // 3 long ones. When the circuit
     forms varies with the seed (step 621 for seed 0; seed 1 still above at 1500), and the fixed switch at step 600
-    this replaces left seed 1 with no circuit (copy_acc 0.03). -> (copy accuracy, short-stage steps)."""
+    this replaces left seed 1 with no circuit (copy_acc 0.03). A formed circuit can still fail to carry over to the
+    long stage (measured with larger initial weights, README), so copy_acc is returned and logged.
+    -> (copy accuracy, short-stage steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(seed)
     recent, short = [], steps  # short: where the long stage starts, moved earlier once the circuit has formed

@@ -489,8 +489,9 @@ def test_copy_batches_repeat_a_run_of_digits_and_names(conversations):
 
 @pytest.mark.parametrize("formed_at, short, total", [(30, 48, 48 + 30), (None, 90, 90 + 30)])
 def test_copy_warmup_stays_short_until_the_circuit_forms(conversations, monkeypatch, formed_at, short, total):
-    """The short stage ends once the 20-step mean copy loss is below COPY_FORMED (18 low steps here), or after `steps`; then
-    steps // 3 long steps follow: a seed whose circuit forms late is not switched to long contexts too early."""
+    """The short stage ends once the 20-step mean copy loss is below COPY_FORMED (18 low steps here), or after
+    `steps`; then steps // 3 long steps follow: a seed whose circuit forms late is not switched to long contexts
+    too early."""
     tok, model = sft.make_tiny(conversations[:4], 300, 16, 1, 2, SEED)
     stages = []
 
