@@ -9,7 +9,8 @@ evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more checkpoi
 
 Every test task is played k times per model. pass^k for a task with c successes out of n trials is
 C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succeed), averaged over tasks;
-pass^1 is the average reward. The agent decodes greedily by default (tau-bench's default), so trials differ
+pass^1 is the average reward. results.json also holds pass@k (at least one success in k trials), which under
+sampled trials (--temperature 1) bounds what RL can reach by sharpening the policy alone. The agent decodes greedily by default (tau-bench's default), so trials differ
 through the user simulator: the scripted user draws its wording from the trial's seed. Episodes whose user
 simulator failed are left out of n (and counted).
 By default the reward also checks the information the agent had to communicate (`communicate_info`), as
@@ -33,6 +34,14 @@ def pass_hat_k(outcomes, k):
     """outcomes: {task_id: [0/1 rewards of its trials]} -> mean over tasks of C(c,k)/C(n,k); tasks with
     fewer than k trials are skipped. None if no task has k trials."""
     vals = [comb(int(sum(rs)), k) / comb(len(rs), k) for rs in outcomes.values() if len(rs) >= k]
+    return sum(vals) / len(vals) if vals else None
+
+
+def pass_at_k(outcomes, k):
+    """The other pass@k: the chance that at least one of k trials drawn without replacement succeeds,
+    1 - C(n-c, k) / C(n, k), averaged over tasks (Chen et al. 2021's unbiased estimator). Under sampled trials
+    it bounds what RL that only sharpens the policy can reach; tau-bench's pass^k is the consistency metric."""
+    vals = [1 - comb(len(rs) - int(sum(rs)), k) / comb(len(rs), k) for rs in outcomes.values() if len(rs) >= k]
     return sum(vals) / len(vals) if vals else None
 
 
@@ -60,6 +69,7 @@ def summarize(eps, ks):
         out[group] = {"n": len(outcomes), "reward": sum(sum(r) for r in outcomes.values()) / trials if trials else None}
         for k in ks:
             out[group][f"pass^{k}"] = pass_hat_k(outcomes, k)
+            out[group][f"pass@{k}"] = pass_at_k(outcomes, k)
     out["all"]["errored"] = sum(e.errored for e in eps)
     return out
 
@@ -131,8 +141,9 @@ def run(args):
                                     if k not in ("ids", "loss_mask", "logprobs")}) + "\n")
         results[name] = summarize(eps, ks)
         a = results[name]["all"]
-        p1 = f"{a['pass^1']:.3f}" if a["pass^1"] is not None else "-"
-        print(f"{name}: pass^1 {p1} over {a['n']} tasks, {a['errored']} errored episodes", flush=True)
+        fmt = lambda v: f"{v:.3f}" if v is not None else "-"
+        print(f"{name}: pass^1 {fmt(a['pass^1'])} over {a['n']} tasks, pass@{args.k} {fmt(a[f'pass@{args.k}'])} "
+              f"(solved in at least one of {args.k} trials), {a['errored']} errored episodes", flush=True)
         del model, gen
     table = markdown(results, [k for k in (1, 2, 4, 8) if k <= args.k] or [1])
     print(table)

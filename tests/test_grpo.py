@@ -52,6 +52,16 @@ def test_pass_hat_k_hand_made():
     assert evaluate.pass_hat_k({"a": [1, 1, 1], "b": [0, 1, 1]}, 2) == pytest.approx((1 + 1 / 3) / 2)
 
 
+def test_pass_at_k_hand_made():
+    """At least one success in k trials drawn without replacement: 1 - C(n-c, k) / C(n, k), a mean over tasks."""
+    table = {"a": [1, 0, 0, 0], "b": [1, 1, 1, 1], "c": [0, 0, 0, 0]}
+    assert evaluate.pass_at_k(table, 1) == pytest.approx(evaluate.pass_hat_k(table, 1))  # both are the mean reward
+    assert evaluate.pass_at_k(table, 2) == pytest.approx((0.5 + 1 + 0) / 3)  # a: 1 - C(3,2)/C(4,2) = 1/2
+    assert evaluate.pass_at_k(table, 4) == pytest.approx(2 / 3)
+    assert evaluate.pass_at_k({"a": [1, 0]}, 3) is None
+    assert evaluate.pass_at_k(table, 2) >= evaluate.pass_hat_k(table, 2)
+
+
 # ----------------------------------------------------------------------------------------------------
 # a tiny model and hand-made episodes
 

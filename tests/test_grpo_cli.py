@@ -389,13 +389,14 @@ def test_evaluate_cli(world):
     for name, s in res.items():
         a = s["all"]
         assert a["n"] == len(tasks) and a["errored"] == 0
-        assert 0.0 <= a["pass^2"] <= a["pass^1"] <= 1.0 and a["pass^1"] == pytest.approx(a["reward"])
+        assert 0.0 <= a["pass^2"] <= a["pass^1"] <= a["pass@2"] <= 1.0 and a["pass^1"] == pytest.approx(a["reward"])
         assert set(s) == {"all", *kinds}
         rows = read_jsonl(out / f"{name}.jsonl")
         assert len(rows) == 2 * len(tasks)
         assert sorted(x["task_id"] for x in rows) == sorted(t["id"] for t in tasks for _ in range(2))
         assert all("ids" not in x and "messages" in x for x in rows)
     assert (out / "results.md").read_text().strip() in r.stdout
+    assert f"sft: pass^1 {res['sft']['all']['pass^1']:.3f} over {len(tasks)} tasks, pass@2 " in r.stdout
 
 
 # ----------------------------------------------------------------------------------------------------
