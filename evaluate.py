@@ -10,8 +10,9 @@ evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more checkpoi
 Every test task is played k times per model. pass^k for a task with c successes out of n trials is
 C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succeed), averaged over tasks;
 pass^1 is the average reward. results.json also holds pass@k (at least one success in k trials), which under
-sampled trials (--temperature 1) bounds what RL can reach by sharpening the policy alone. The agent decodes greedily by default (tau-bench's default), so trials differ
-through the user simulator: the scripted user draws its wording from the trial's seed. Episodes whose user
+sampled trials (--temperature 1) bounds what RL can reach by sharpening the policy alone. The agent decodes
+greedily by default (tau-bench's default), so trials differ through the user simulator: the scripted user draws
+its wording from the trial's seed. Episodes whose user
 simulator failed are left out of n (and counted).
 By default the reward also checks the information the agent had to communicate (`communicate_info`), as
 tau-bench's evaluation does; --db-only scores the database alone, as training does.
