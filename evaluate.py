@@ -12,8 +12,7 @@ C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succee
 pass^1 is the average reward. results.json also holds pass@k (at least one success in k trials), which under
 sampled trials (--temperature 1) bounds what RL can reach by sharpening the policy alone. The agent decodes
 greedily by default (tau-bench's default), so trials differ through the user simulator: the scripted user draws
-its wording from the trial's seed. Episodes whose user
-simulator failed are left out of n (and counted).
+its wording from the trial's seed. Episodes whose user simulator failed are left out of n (and counted).
 By default the reward also checks the information the agent had to communicate (`communicate_info`), as
 tau-bench's evaluation does; --db-only scores the database alone, as training does.
 Prints a markdown table (overall and per task kind) and writes every transcript to JSONL.
@@ -89,6 +88,10 @@ def markdown(results, ks):
     return "\n".join(lines)
 
 
+def _fmt(v):
+    return f"{v:.3f}" if v is not None else "-"
+
+
 def parse_models(specs):
     """["sft=out/sft", "out/grpo"] -> {"sft": "out/sft", "grpo": "out/grpo"}"""
     out = {}
@@ -142,8 +145,7 @@ def run(args):
                                     if k not in ("ids", "loss_mask", "logprobs")}) + "\n")
         results[name] = summarize(eps, ks)
         a = results[name]["all"]
-        fmt = lambda v: f"{v:.3f}" if v is not None else "-"
-        print(f"{name}: pass^1 {fmt(a['pass^1'])} over {a['n']} tasks, pass@{args.k} {fmt(a[f'pass@{args.k}'])} "
+        print(f"{name}: pass^1 {_fmt(a['pass^1'])} over {a['n']} tasks, pass@{args.k} {_fmt(a[f'pass@{args.k}'])} "
               f"(solved in at least one of {args.k} trials), {a['errored']} errored episodes", flush=True)
         del model, gen
     table = markdown(results, [k for k in (1, 2, 4, 8) if k <= args.k] or [1])
