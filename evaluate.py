@@ -26,8 +26,7 @@ from math import comb
 import torch
 
 import env
-from rollout import HFGenerator, VLLMGenerator, run_episodes
-from sft import load_model, resolve_checkpoint
+from rollout import HFGenerator, VLLMGenerator, load_model, make_user_factory, resolve_checkpoint, run_episodes
 
 
 def pass_hat_k(outcomes, k):
@@ -45,13 +44,14 @@ def pass_at_k(outcomes, k):
     return sum(vals) / len(vals) if vals else None
 
 
-def evaluate_model(gen, tok, tasks, db, make_user, args):
+def evaluate_model(gen, tok, tasks, db, make_user, *, k, seed, db_only, max_turns, max_len, max_new_tokens,
+                   temperature):
     """Play k trials of every task; -> episodes. Trials differ through the sampling seed and the user's seed."""
     eps = []
-    for trial in range(args.k):
-        eps += run_episodes(gen, tok, tasks, db, make_user, max_turns=args.max_turns, max_tokens=args.max_len,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            seed=args.seed + 1000 * trial, check_communicate=not args.db_only)
+    for trial in range(k):
+        eps += run_episodes(gen, tok, tasks, db, make_user, max_turns=max_turns, max_tokens=max_len,
+                            max_new_tokens=max_new_tokens, temperature=temperature,
+                            seed=seed + 1000 * trial, check_communicate=not db_only)
     return eps
 
 
@@ -101,58 +101,68 @@ def parse_models(specs):
     return out
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+",  # name=path; the default is the demo's four rows
-                   default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"])
-    p.add_argument("--data-dir", default="data")
-    p.add_argument("--tasks", default=None)                 # default: <data-dir>/test_tasks.jsonl
-    p.add_argument("--db", default=None)                    # default: <data-dir>/shop.json
-    p.add_argument("--n-tasks", type=int, default=None)     # only the first n tasks
-    p.add_argument("--k", type=int, default=4)              # trials per task
+    g = p.add_argument_group("models")
+    g.add_argument("--models", nargs="+",
+                   default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
+                   help="name=path (a run folder, a checkpoint or a hub id); default: the demo's four rows")
+    g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the agent's sampler")
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and test_tasks.jsonl")
+    g.add_argument("--tasks", default=None, help="any tau2 tasks.json / our JSONL (default: the generated test split)")
+    g.add_argument("--db", default=None, help="the db.json the --tasks run on (default: <data-dir>/shop.json)")
+    g.add_argument("--n-tasks", type=int, default=None, help="only the first n tasks")
+    g = p.add_argument_group("rollout")
+    g.add_argument("--k", type=int, default=4, help="trials per task")
     # the agent decodes greedily, as tau-bench's run.py does by default (--temperature 0.0): pass^k then measures
     # consistency over the user's variations (the scripted user words each trial differently), not sampling luck
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--db-only", action="store_true")        # skip the communicate_info check
-    p.add_argument("--max-turns", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=64)  # per agent turn; the tiny model's longest is ~40
-    p.add_argument("--max-len", type=int, default=1024)      # tokens per episode (tiny: an oracle one is <600)
-    p.add_argument("--user", default=None)                  # None: scripted; a model path, "smollm2", or a URL
-    p.add_argument("--user-model", default=None)
-    p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
-    p.add_argument("--out", default="out/eval")
-    p.add_argument("--seed", type=int, default=1234)
-    args = p.parse_args()
-    run(args)
+    g.add_argument("--temperature", type=float, default=0.0, help="the agent's sampling temperature (0: greedy)")
+    g.add_argument("--db-only", action="store_true", help="skip the communicate_info check (training's reward)")
+    g.add_argument("--max-turns", type=int, default=16, help="agent turns per episode")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
+    g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
+    g.add_argument("--seed", type=int, default=1234, help="trial t plays with seed + 1000 t")
+    g = p.add_argument_group("user")
+    g.add_argument("--user", default=None, help="None: scripted; a model path, 'smollm2', or an OpenAI URL")
+    g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
+    g.add_argument("--user-guidelines", default=None,
+                   help="the LLM user's guidelines (default: tau2's beside --tasks, else env.py's fallback)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="out/eval", help="results.json, results.md and a transcript JSONL per model")
+    return run(**vars(p.parse_args(argv)))
 
 
-def run(args):
-    torch.manual_seed(args.seed)
-    db = env.load_db(args.db or os.path.join(args.data_dir, "shop.json"))
-    tasks = env.load_tasks(args.tasks or os.path.join(args.data_dir, "test_tasks.jsonl"))[:args.n_tasks]
-    make_user = env.user_factory(args.user, args.user_model)
+def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
+        max_len, seed, user, user_model, user_guidelines, out):
+    """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
+    torch.manual_seed(seed)
+    shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
+    test = env.load_tasks(tasks or os.path.join(data_dir, "test_tasks.jsonl"))[:n_tasks]
+    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    os.makedirs(args.out, exist_ok=True)
-    ks = list(range(1, args.k + 1))
+    os.makedirs(out, exist_ok=True)
+    ks = list(range(1, k + 1))
     results = {}
-    for name, path in parse_models(args.models).items():
+    for name, path in parse_models(models).items():
         model, tok = load_model(path, device=device)
-        gen = VLLMGenerator(resolve_checkpoint(path), tok) if args.backend == "vllm" else HFGenerator(model, tok)
-        eps = evaluate_model(gen, tok, tasks, db, make_user, args)
-        with open(os.path.join(args.out, f"{name}.jsonl"), "w") as f:
+        gen = VLLMGenerator(resolve_checkpoint(path), tok) if backend == "vllm" else HFGenerator(model, tok)
+        eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
+                             max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature)
+        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
             for e in eps:
-                f.write(json.dumps({k: v for k, v in e.to_json().items()
-                                    if k not in ("ids", "loss_mask", "logprobs")}) + "\n")
+                f.write(json.dumps({key: v for key, v in e.to_json().items()
+                                    if key not in ("ids", "loss_mask", "logprobs")}) + "\n")
         results[name] = summarize(eps, ks)
         a = results[name]["all"]
-        print(f"{name}: pass^1 {_fmt(a['pass^1'])} over {a['n']} tasks, pass@{args.k} {_fmt(a[f'pass@{args.k}'])} "
-              f"(solved in at least one of {args.k} trials), {a['errored']} errored episodes", flush=True)
+        print(f"{name}: pass^1 {_fmt(a['pass^1'])} over {a['n']} tasks, pass@{k} {_fmt(a[f'pass@{k}'])} "
+              f"(solved in at least one of {k} trials), {a['errored']} errored episodes", flush=True)
         del model, gen
-    table = markdown(results, [k for k in (1, 2, 4, 8) if k <= args.k] or [1])
+    table = markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1])
     print(table)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table + "\n")
     return results
 

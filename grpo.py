@@ -17,11 +17,18 @@ PPO-clipped policy loss against the log-probs frozen at rollout time, summed ove
 divided by their number in the whole global batch; optional k3 KL to a frozen reference (beta 0: no
 reference model is loaded). Groups whose rewards are all equal carry no gradient: they are counted, logged,
 and (--drop-zero-spread) replaced by fresh groups; a step in which every group is so skips the update.
+
+What is simplified, and why:
+1. No value model, no reward model: the reward is the task's 0/1 database check (the paper's), and the group
+   of G rollouts of one task is the baseline.
+2. Rollouts and training share one process (and one GPU): the transformers sampler reads the live weights,
+   and the vLLM engine gets them pushed after every update. No separate inference service to run.
+3. One optimizer step per batch by default (--ppo-epochs 1 --mini-batches 1), so the PPO ratio starts at 1
+   and clipping only matters when you ask for more.
 """
 import argparse
 import copy
 import json
-import math
 import os
 import random
 import time
@@ -30,9 +37,150 @@ import torch
 from tqdm import tqdm
 
 import env
-from rollout import HFGenerator, VLLMGenerator, run_episodes
-from sft import (all_reduce_max, all_reduce_sum, autocast, load_model, logprobs_from_logits, open_metrics,
-                 pad_batch, resolve_checkpoint, save_checkpoint, setup_distributed, unwrap)
+from rollout import (HFGenerator, VLLMGenerator, all_reduce_max, all_reduce_sum, autocast, load_model,
+                     logprobs_from_logits, make_user_factory, open_metrics, pad_batch, resolve_checkpoint,
+                     run_episodes, save_checkpoint, setup_distributed, unwrap)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and train_tasks.jsonl")
+    g.add_argument("--tasks", default=None, help="or any tau2 tasks.json / our JSONL (with --db)")
+    g.add_argument("--db", default=None, help="the db.json the --tasks run on")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="out/sft", help="an sft.py run folder, a checkpoint folder or a hub id")
+    g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the rollout sampler")
+    g = p.add_argument_group("rollout")
+    g.add_argument("--batch-tasks", type=int, default=8, help="B: tasks per step (global)")
+    g.add_argument("--group", type=int, default=8, help="G: rollouts per task")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also in the ratio)")
+    g.add_argument("--max-turns", type=int, default=16, help="agent turns per episode (paper: 30)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
+    g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
+    g.add_argument("--drop-zero-spread", action="store_true", help="replace groups whose rewards are all equal")
+    g = p.add_argument_group("user")
+    g.add_argument("--user", default=None, help="None: scripted; a model path, 'smollm2', or an OpenAI URL")
+    g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
+    g.add_argument("--user-guidelines", default=None,
+                   help="the LLM user's guidelines (default: tau2's beside --tasks, else env.py's fallback)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=30, help="GRPO steps")
+    g.add_argument("--lr", type=float, default=5e-5, help="tiny model (2e-4 broke it); the paper: 1e-6 on 8B")
+    g.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip")
+    g.add_argument("--beta", type=float, default=0.0, help="k3 KL weight; 0 loads no reference model")
+    g.add_argument("--mean-only", action="store_true", help="advantage r - mean (no division by the std)")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each step's episodes")
+    g.add_argument("--mini-batches", type=int, default=1, help="optimizer steps per PPO epoch")
+    g.add_argument("--micro-batch", type=int, default=16, help="episodes per forward/backward")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
+    g.add_argument("--seed", type=int, default=0, help="seeds task sampling, rollouts and the users")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--out", default="out/grpo", help="run folder: metrics.jsonl, reward.png, step_N/, latest")
+    g.add_argument("--save-every", type=int, default=10, help="checkpoint every n steps (and at the end)")
+    g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    g.add_argument("--wandb", default=None, help="a wandb project name, if wandb is installed")
+    return train(**vars(p.parse_args(argv)))
+
+
+def train(*, model, out, data_dir, tasks, db, backend, steps, batch_tasks, group, temperature, max_turns,
+          max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines, lr, clip, beta, mean_only,
+          ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb):
+    """The GRPO loop. -> (policy, tokenizer)."""
+    config = dict(locals())
+    rank, world, device = setup_distributed()
+    torch.manual_seed(seed)
+    os.makedirs(out, exist_ok=True)
+    resuming = resume and os.path.isfile(os.path.join(out, "latest"))
+    policy, tok = load_model(out if resuming else model, device=device)
+    ref = None
+    if beta > 0:  # the reference is the starting policy (--model), frozen, also when resuming
+        ref = (load_model(model, device=device)[0] if resuming else copy.deepcopy(policy))
+        ref = ref.eval().requires_grad_(False)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    start = 0
+    if resuming:
+        state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        start = state["step"]
+    if world > 1:
+        policy = torch.nn.parallel.DistributedDataParallel(policy)
+    if backend == "vllm":
+        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok)
+    else:
+        gen = HFGenerator(unwrap(policy), tok)
+    shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
+    train_tasks = env.load_tasks(tasks or os.path.join(data_dir, "train_tasks.jsonl"))
+    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks))
+    episode_kw = dict(max_turns=max_turns, max_tokens=max_len, max_new_tokens=max_new_tokens,
+                      temperature=temperature)
+    log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
+    wb = _wandb(wandb, config) if rank == 0 else None
+    bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")
+    for step in bar:
+        # 1. rollouts with the user in the loop, rewarded by the database check
+        t0 = time.time()
+        eps, zero, played = collect(gen, tok, train_tasks, shop, make_user, step=step, rank=rank, world=world,
+                                    seed=seed, batch_tasks=batch_tasks, group=group,
+                                    drop_zero_spread=drop_zero_spread, episode_kw=episode_kw)
+        t1 = time.time()
+        # 2. group-normalised advantages; a failed user simulator says nothing about the policy: no gradient
+        advs = group_advantages([e.reward for e in eps], group, mean_only)
+        for i, e in enumerate(eps):
+            if e.errored:
+                advs[i] = 0.0
+        # 3. one policy update, unless every group had equal rewards (all advantages 0, no policy gradient).
+        # The count is global, so every rank takes the same branch.
+        if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
+            stats = update(policy, ref, opt, eps, advs, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
+                           micro_batch=micro_batch, clip=clip, beta=beta, grad_clip=grad_clip,
+                           temperature=temperature, seed=seed, device=device, world=world)
+            stats["update_skipped"] = 0
+            if isinstance(gen, VLLMGenerator):
+                gen.load_weights(unwrap(policy))
+        else:
+            stats = {"update_skipped": 1}
+        rec = step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1)
+        if rank == 0:
+            bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", zero=f"{rec['zero_spread_frac']:.2f}")
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if wb:
+                wb.log(rec)
+            if (step + 1) % save_every == 0 or step + 1 == steps:
+                save_checkpoint(out, step + 1, policy, tok, opt)
+    if rank == 0:
+        plot_metrics(os.path.join(out, "metrics.jsonl"), os.path.join(out, "reward.png"))
+    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return unwrap(policy), tok
+
+
+def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_tasks, group, drop_zero_spread,
+            episode_kw):
+    """Play G rollouts of this rank's share of B tasks; with drop_zero_spread, groups whose rewards are all
+    equal are replaced by fresh tasks (up to 3 extra rounds). `episode_kw` goes to run_episodes.
+    -> (kept episodes in group order, zero-spread groups, groups played)."""
+    rng = random.Random(seed * 1000003 + step * world + rank)
+    want = max(1, batch_tasks // world)
+    kept, zero, played, rounds = [], 0, 0, 0
+    while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
+        batch = [rng.choice(tasks) for _ in range(want - len(kept) // group)]
+        eps = run_episodes(gen, tok, [t for t in batch for _ in range(group)], db, make_user,
+                           seed=rng.randrange(2**31), **episode_kw)
+        played += len(batch)
+        for g in range(len(batch)):
+            grp = eps[g * group:(g + 1) * group]
+            rs = [e.reward for e in grp if not e.errored]
+            if len(set(rs)) <= 1:
+                zero += 1
+                if drop_zero_spread:
+                    continue
+            kept += grp
+        rounds += 1
+    return kept, zero, played
+
 
 # ----------------------------------------------------------------------------------------------------
 # the objective
@@ -78,7 +226,8 @@ def episode_batch(eps, advs, device):
     return ids, mask[:, 1:], attn, old[:, 1:], advs.to(device)
 
 
-def update(model, ref, opt, eps, advs, args, device, world):
+def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip, temperature,
+           seed, device, world):
     """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
     With beta 0 an episode whose advantage is 0 (every episode of a zero-spread group) contributes exactly zero
     gradient, so its forward/backward is skipped; it still counts in the token denominator, so the loss (and
@@ -87,16 +236,16 @@ def update(model, ref, opt, eps, advs, args, device, world):
     ent_sum, ent_n = 0.0, 0.0  # entropy: a mean over the policy tokens that ran on this rank
     order = list(range(len(eps)))
     n_updates = 0
-    for epoch in range(args.ppo_epochs):
-        random.Random(args.seed + epoch).shuffle(order)
-        for mb in range(args.mini_batches):
-            idx = order[mb::args.mini_batches]
+    for epoch in range(ppo_epochs):
+        random.Random(seed + epoch).shuffle(order)
+        for mb in range(mini_batches):
+            idx = order[mb::mini_batches]
             # token-level normalisation over the global mini-batch: count policy tokens on every rank
             total = all_reduce_sum(torch.tensor(float(sum(sum(eps[i].loss_mask) for i in idx))))
             total = max(1.0, float(total))
             # micro-batches of similar lengths pad less; the summed loss, hence the gradient, is the same
-            work = sorted((i for i in idx if args.beta > 0 or advs[i] != 0), key=lambda i: len(eps[i].ids))
-            chunks = [work[k:k + args.micro_batch] for k in range(0, len(work), args.micro_batch)]
+            work = sorted((i for i in idx if beta > 0 or advs[i] != 0), key=lambda i: len(eps[i].ids))
+            chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]
             # DDP all-reduces gradients inside every backward: each rank must run as many, so a rank with fewer
             # chunks runs dummy ones (an episode with its loss times 0)
             n_chunks = int(all_reduce_max(torch.tensor(len(chunks))))
@@ -104,12 +253,12 @@ def update(model, ref, opt, eps, advs, args, device, world):
                 sub, scale = (chunks[k], 1.0) if k < len(chunks) else (idx[:1], 0.0)
                 ids, mask, attn, old, adv = episode_batch([eps[i] for i in sub], advs[sub], device)
                 with autocast(device):
-                    new, ent = forward_logprobs(model, ids, attn, args.temperature)
+                    new, ent = forward_logprobs(model, ids, attn, temperature)
                     ref_lp = None
                     if ref is not None:
                         with torch.no_grad():
-                            ref_lp, _ = forward_logprobs(ref, ids, attn, args.temperature)
-                loss, st = policy_loss(new, old, adv, mask, args.clip, args.beta, ref_lp)
+                            ref_lp, _ = forward_logprobs(ref, ids, attn, temperature)
+                loss, st = policy_loss(new, old, adv, mask, clip, beta, ref_lp)
                 # DDP averages over ranks; * world keeps the global token mean
                 (loss * (scale / total * world)).backward()
                 stats["loss"] += scale * float(loss.detach()) / total
@@ -117,7 +266,7 @@ def update(model, ref, opt, eps, advs, args, device, world):
                 stats["kl"] += scale * float(st.get("kl", 0.0)) / total
                 ent_sum += scale * float((ent.detach() * mask).sum())
                 ent_n += scale * float(mask.sum())
-            stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+            stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)
             n_updates += 1
@@ -125,136 +274,22 @@ def update(model, ref, opt, eps, advs, args, device, world):
 
 
 # ----------------------------------------------------------------------------------------------------
-# one step: rollouts, rewards, advantages
+# logging
 
 
-def collect(gen, tok, tasks, db, make_user, args, step, rank, world):
-    """Play G rollouts of this rank's share of B tasks; with --drop-zero-spread, groups whose rewards are all
-    equal are replaced by fresh tasks (up to 3 extra rounds).
-    -> (kept episodes in group order, zero-spread groups, groups played)."""
-    rng = random.Random(args.seed * 1000003 + step * world + rank)
-    want = max(1, args.batch_tasks // world)
-    kept, zero, played, rounds = [], 0, 0, 0
-    while len(kept) < want * args.group and rounds < (4 if args.drop_zero_spread else 1):
-        batch = [rng.choice(tasks) for _ in range(want - len(kept) // args.group)]
-        eps = run_episodes(gen, tok, [t for t in batch for _ in range(args.group)], db, make_user,
-                           max_turns=args.max_turns, max_tokens=args.max_len, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, seed=rng.randrange(2**31))
-        played += len(batch)
-        for g in range(len(batch)):
-            grp = eps[g * args.group:(g + 1) * args.group]
-            rs = [e.reward for e in grp if not e.errored]
-            if len(set(rs)) <= 1:
-                zero += 1
-                if args.drop_zero_spread:
-                    continue
-            kept += grp
-        rounds += 1
-    return kept, zero, played
-
-
-def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, args, step, rank=0, world=1, device="cpu"):
-    """Rollouts with the user in the loop, group-normalised advantages, one policy update. -> metrics dict."""
-    t0 = time.time()
-    eps, zero, played = collect(gen, tok, tasks, db, make_user, args, step, rank, world)
-    t1 = time.time()
-    advs = group_advantages([e.reward for e in eps], args.group, args.mean_only)
-    for i, e in enumerate(eps):
-        if e.errored:  # a failed user simulator says nothing about the policy: no gradient from it
-            advs[i] = 0.0
-    # a batch in which every group has equal rewards carries no policy gradient (all advantages are 0): skip
-    # its forward/backward and optimizer step. The count is global, so every rank takes the same branch.
-    if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
-        stats = {**update(policy, ref, opt, eps, advs, args, device, world), "update_skipped": 0}
-        if isinstance(gen, VLLMGenerator):
-            gen.load_weights(unwrap(policy))
-    else:
-        stats = {"update_skipped": 1}
-    return step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1, world)
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="out/sft")              # an sft.py run folder, a checkpoint or a hub id
-    p.add_argument("--out", default="out/grpo")
-    p.add_argument("--data-dir", default="data")              # shop.json and train_tasks.jsonl from synth.py
-    p.add_argument("--tasks", default=None)                   # or any tau2 tasks.json / our JSONL ...
-    p.add_argument("--db", default=None)                      # ... with its db.json
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-tasks", type=int, default=8)      # B: tasks per step (global)
-    p.add_argument("--group", type=int, default=8)            # G: rollouts per task
-    p.add_argument("--lr", type=float, default=5e-5)          # tiny model (2e-4 broke it); the paper: 1e-6 on 8B
-    p.add_argument("--clip", type=float, default=0.2)
-    p.add_argument("--beta", type=float, default=0.0)         # k3 KL weight; 0 loads no reference model
-    p.add_argument("--mean-only", action="store_true")        # advantage r - mean (no std division)
-    p.add_argument("--drop-zero-spread", action="store_true") # replace groups whose rewards are all equal
-    p.add_argument("--ppo-epochs", type=int, default=1)
-    p.add_argument("--mini-batches", type=int, default=1)     # optimizer steps per PPO epoch
-    p.add_argument("--micro-batch", type=int, default=16)     # episodes per forward/backward
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-turns", type=int, default=16)       # agent turns per episode (paper: 30)
-    p.add_argument("--max-new-tokens", type=int, default=64)  # per agent turn; the tiny model's longest is ~40
-    p.add_argument("--max-len", type=int, default=1024)      # tokens per episode (tiny: an oracle one is <600)
-    p.add_argument("--user", default=None)                    # None: scripted; a model path, "smollm2", or a URL
-    p.add_argument("--user-model", default=None)              # model name at that URL
-    p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--wandb", default=None)                   # a project name, if wandb is installed
-    args = p.parse_args()
-    train(args)
-
-
-def load_tasks_and_db(args):
-    db = env.load_db(args.db or os.path.join(args.data_dir, "shop.json"))
-    tasks = env.load_tasks(args.tasks or os.path.join(args.data_dir, "train_tasks.jsonl"))
-    return db, tasks
-
-
-def train(args):
-    rank, world, device = setup_distributed()
-    torch.manual_seed(args.seed)
-    os.makedirs(args.out, exist_ok=True)
-    resuming = args.resume and os.path.isfile(os.path.join(args.out, "latest"))
-    model, tok = load_model(args.out if resuming else args.model, device=device)
-    ref = None
-    if args.beta > 0:  # the reference is the starting policy (--model), frozen, also when resuming
-        ref = (load_model(args.model, device=device)[0] if resuming else copy.deepcopy(model))
-        ref = ref.eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
-    start = 0
-    if resuming:
-        state = torch.load(os.path.join(resolve_checkpoint(args.out), "train_state.pt"), weights_only=False)
-        opt.load_state_dict(state["optimizer"])
-        start = state["step"]
-    policy = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    if args.backend == "vllm":
-        gen = VLLMGenerator(resolve_checkpoint(args.out if resuming else args.model), tok)
-    else:
-        gen = HFGenerator(model, tok)
-    db, tasks = load_tasks_and_db(args)
-    make_user = env.user_factory(args.user, args.user_model)
-    log = open_metrics(os.path.join(args.out, "metrics.jsonl"), start) if rank == 0 else None
-    wb = _wandb(args) if rank == 0 else None
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, desc="grpo")
-    for step in bar:
-        rec = grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, args, step, rank, world, device)
-        if rank == 0:
-            bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", zero=f"{rec['zero_spread_frac']:.2f}")
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            if wb:
-                wb.log(rec)
-            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-                save_checkpoint(args.out, step + 1, policy, tok, opt)
-    if rank == 0:
-        plot_metrics(os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "reward.png"))
-    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return unwrap(policy), tok
+def step_metrics(step, eps, zero, played, stats, rollout_s, update_s):
+    """One JSONL line; episode sums are all-reduced so every rank logs the global numbers."""
+    ok = [e for e in eps if not e.errored]
+    t = all_reduce_sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(eps) - len(ok), zero, played,
+                                     sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
+                                     sum(e.tool_errors for e in eps), sum(sum(e.loss_mask) for e in eps)],
+                                    dtype=torch.float64)).tolist()
+    n = max(1.0, t[1] + t[2])
+    return {"step": step + 1, "reward_mean": t[0] / max(1.0, t[1]), "errored": int(t[2]),
+            "zero_spread_frac": t[3] / max(1.0, t[4]),
+            "turns": t[5] / n, "tool_calls": t[6] / n, "tool_errors": t[7] / n, "tokens_generated": int(t[8]),
+            **{k: round(v, 6) for k, v in stats.items()}, "rollout_s": round(rollout_s, 2),
+            "update_s": round(update_s, 2)}
 
 
 def plot_metrics(jsonl, png):
@@ -279,30 +314,15 @@ def plot_metrics(jsonl, png):
     return png
 
 
-def step_metrics(step, eps, zero, played, stats, rollout_s, update_s, world):
-    """One JSONL line; episode sums are all-reduced so every rank logs the global numbers."""
-    ok = [e for e in eps if not e.errored]
-    t = all_reduce_sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(eps) - len(ok), zero, played,
-                                     sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
-                                     sum(e.tool_errors for e in eps), sum(sum(e.loss_mask) for e in eps)],
-                                    dtype=torch.float64)).tolist()
-    n = max(1.0, t[1] + t[2])
-    return {"step": step + 1, "reward_mean": t[0] / max(1.0, t[1]), "errored": int(t[2]),
-            "zero_spread_frac": t[3] / max(1.0, t[4]),
-            "turns": t[5] / n, "tool_calls": t[6] / n, "tool_errors": t[7] / n, "tokens_generated": int(t[8]),
-            **{k: round(v, 6) for k, v in stats.items()}, "rollout_s": round(rollout_s, 2),
-            "update_s": round(update_s, 2)}
-
-
-def _wandb(args):
-    if not args.wandb:
+def _wandb(project, config):
+    if not project:
         return None
     try:
         import wandb
     except ImportError:
         print("wandb not installed; logging to metrics.jsonl only")
         return None
-    return wandb.init(project=args.wandb, config=vars(args))
+    return wandb.init(project=project, config=config)
 
 
 if __name__ == "__main__":

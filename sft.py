@@ -1,5 +1,5 @@
 """
-sft.py: cold-start supervised fine-tuning on synthesized conversations, in plain PyTorch.
+sft.py: cold-start supervised fine-tuning (MUA-RL's second stage) on synthesized conversations, in plain PyTorch.
 
     python sft.py                                        # tiny Qwen3-style model from scratch (CPU, minutes)
     python sft.py --model /path/to/SmolLM2-135M-Instruct --lr 5e-5 --steps 20
@@ -8,6 +8,15 @@ sft.py: cold-start supervised fine-tuning on synthesized conversations, in plain
 The loss is on the agent's tokens only, with the same rendering and masking code rollouts use
 (rollout.encode_conversation). Checkpoints are save_pretrained folders (plus optimizer and step state),
 written atomically; --resume continues a killed run from the last one.
+
+What is simplified, and why:
+1. One loop for every model: AdamW, linear warm-up then cosine, gradient accumulation, DDP under torchrun.
+   The loss is a token-level mean over the agent tokens of the whole global batch, whatever the micro-batches.
+2. The CPU demo has no pretrained model to start from, so `--model tiny` builds one (the fenced section at the
+   bottom): a BPE trained on the data, a ~1M-parameter Qwen3, and a copy curriculum that teaches it to copy
+   ids before SFT. A real checkpoint (`--model PATH`) skips all of that.
+3. With --redraw (on by default for the tiny model), every step re-draws the ids and names of its
+   conversations, so a small model must copy them from the context instead of memorizing a few dozen users.
 """
 import argparse
 import functools
@@ -16,50 +25,247 @@ import math
 import os
 import random
 import re
-import shutil
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
-from rollout import SYSTEM_PROMPT, encode_conversation, render
+from rollout import (all_reduce_sum, autocast, chatml_template, encode_conversation, load_model, logprobs_from_logits,
+                     open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint, setup_distributed,
+                     token_logprobs, unwrap)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="data/sft.jsonl", help="synth.py's conversations, one JSON object a line")
+    g.add_argument("--max-len", type=int, default=2048, help="conversations are truncated to this many tokens")
+    g.add_argument("--eval-frac", type=float, default=0.05, help="share of conversations held out for eval")
+    g.add_argument("--redraw", default="auto", choices=["auto", "on", "off"],
+                   help="re-draw ids and names in every step's conversations (auto: on for --model tiny)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="tiny", help="'tiny' (from scratch, below) or a path / hub id of a chat model")
+    g.add_argument("--vocab-size", type=int, default=2048, help="tiny: BPE tokens, plus 1100 digit-chunk tokens")
+    g.add_argument("--d-model", type=int, default=128, help="tiny: hidden size")
+    g.add_argument("--n-layer", type=int, default=4, help="tiny: layers")
+    g.add_argument("--n-head", type=int, default=4, help="tiny: attention heads")
+    g.add_argument("--copy-warmup", type=int, default=900, help="tiny: at most this many short copy steps, + 1/3 long")
+    g.add_argument("--copy-mix", type=int, default=4, help="tiny: copy sequences mixed into every SFT step")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    g.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch (per rank)")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (tiny from scratch; ~1e-5 for an 8B)")
+    g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    g.add_argument("--seed", type=int, default=0, help="seeds the data order, the tiny model and its curriculum")
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--out", default="out/sft", help="run folder: metrics.jsonl, step_N/ checkpoints, latest")
+    g.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every n steps")
+    g.add_argument("--save-every", type=int, default=100, help="checkpoint every n steps (and at the end)")
+    g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    a = p.parse_args(argv)
+    tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup, a.copy_mix) \
+        if a.model == "tiny" else None
+    return train(data=a.data, model=a.model, tiny=tiny, out=a.out, steps=a.steps, batch_size=a.batch_size,
+                 grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip,
+                 max_len=a.max_len, eval_every=a.eval_every, eval_frac=a.eval_frac, save_every=a.save_every,
+                 resume=a.resume, redraw=a.redraw == "on" or (a.redraw == "auto" and tiny is not None),
+                 seed=a.seed)
+
+
+def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, clip, max_len,
+          eval_every, eval_frac, save_every, resume, redraw, seed):
+    """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
+    -> (model, tokenizer)."""
+    rank, world, device = setup_distributed()
+    torch.manual_seed(seed)
+    convs = load_conversations(data)
+    random.Random(seed).shuffle(convs)
+    os.makedirs(out, exist_ok=True)
+    start, warm = 0, {}
+    if resume and os.path.isfile(os.path.join(out, "latest")):
+        net, tok = load_model(out, device=device)
+        state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False)
+        start = state["step"]
+    elif tiny:
+        tok, net, warm = tiny_model(convs, tiny, lr=lr, seed=seed, device=device,
+                                    init_dir=os.path.join(out, "init") if rank == 0 else None)
+    else:
+        net, tok = load_model(model, device=device)
+    copy_mix = CopyMix(tok, tiny.copy_mix, seed, device) if tiny and tiny.copy_mix else None
+
+    def encode(c):  # -> (ids, mask), truncated
+        ids, mask = encode_conversation(tok, c["messages"], c.get("tools"))
+        return ids[:max_len], mask[:max_len]
+    n_eval = max(1, int(len(convs) * eval_frac))
+    held, train_convs = [encode(c) for c in convs[:n_eval]], convs[n_eval:]
+    encoded = None if redraw else [encode(c) for c in train_convs]  # with redraw, each step encodes afresh
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    if start:
+        opt.load_state_dict(state["optimizer"])
+    log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
+    per_step = batch_size * grad_accum * world
+    bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="sft")
+    for step in bar:
+        t0 = time.time()
+        # the global batch of this step depends only on (seed, step), so a resumed run sees the same data
+        n = len(train_convs)
+        order = random.Random(seed * 1000003 + step // max(1, n // per_step)).sample(range(n), n)
+        k = step % max(1, n // per_step)
+        picked = order[k * per_step:(k + 1) * per_step]
+        glob = [encoded[j] for j in picked] if encoded else [encode({**train_convs[j], "messages": redraw_ids(
+            train_convs[j]["messages"], random.Random(seed * 1000003 + step * 1009 + j))}) for j in picked]
+        mine = glob[rank::world]
+        total = max(1.0, float(sum(sum(m[1:]) for _, m in glob)))  # agent tokens in the global batch
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        loss_sum = 0.0
+        for a in range(grad_accum):
+            mb = mine[a * batch_size:(a + 1) * batch_size]
+            if not mb:
+                continue
+            loss = micro_loss(net, mb, total, device) * world  # DDP averages gradients over ranks
+            loss_sum += float(loss.detach()) / world
+            if copy_mix and a == 0:
+                loss = loss + copy_mix.loss(net, step, rank)
+            loss.backward()
+        loss_t = all_reduce_sum(torch.tensor(loss_sum))
+        gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec = {"step": step + 1, "loss": float(loss_t), "lr": opt.param_groups[0]["lr"],
+               "grad_norm": float(gnorm), "tokens": total, "sec": round(time.time() - t0, 3)}
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            rec.update(eval_heldout(unwrap(net), tok, held, batch_size, device))
+            if copy_mix:
+                rec["copy_acc"] = copy_accuracy(unwrap(net), tok, device)
+        if step == start:
+            rec.update(warm)
+        if rank == 0:
+            shown = ({"eval": f"{rec['eval_loss']:.3f}", "id_acc": f"{rec['eval_id_acc']:.2f}"}
+                     if "eval_loss" in rec else {})
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", **shown)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            if (step + 1) % save_every == 0 or step + 1 == steps:
+                save_checkpoint(out, step + 1, net, tok, opt)
+    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return unwrap(net), tok
+
 
 # ----------------------------------------------------------------------------------------------------
-# the tiny default: a byte-level BPE trained on the data, a compact ChatML template, a small Qwen3
+# the loss, the data and the schedule
 
-def chatml_template(signatures=False):
-    """A ChatML chat template whose tool calls are Hermes <tool_call>{"name", "arguments"}</tool_call> text, the
-    format rollout.parse_assistant reads. Tools go in the system turn as one line: names only for the tiny model
-    (it learns the arguments from the data, and a short context holds a whole conversation), or signatures
-    name(arg, ...) with a line on the call format, for a pretrained chat model whose own template cannot show
-    tools (full JSON schemas would cost ~2.5k tokens a conversation)."""
-    tools = ("{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}" if not signatures else
-             "{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:' -}}"
-             "{%- for t in tools -%}{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | list | join(', ')) + ')' -}}"
-             "{%- endfor -%}")
-    return (
-        "{%- if messages[0].role == 'system' or tools -%}"
-        "{{- '<|im_start|>system\\n' -}}"
-        "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
-        "{%- if tools -%}" + tools + "{%- endif -%}"
-        "{{- '<|im_end|>\\n' -}}"
-        "{%- endif -%}"
-        "{%- for m in messages -%}"
-        "{%- if m.role == 'assistant' -%}"
-        "{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
-        "{%- for tc in (m.tool_calls or []) -%}"
-        "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson) + '</tool_call>' -}}"
-        "{%- endfor -%}"
-        "{{- '<|im_end|>\\n' -}}"
-        "{%- elif m.role != 'system' -%}"
-        "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-        "{%- endif -%}"
-        "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    )
 
+def micro_loss(model, batch, total_tokens, device):
+    """Sum of agent-token NLL in this micro-batch divided by the agent tokens of the whole global batch,
+    so that gradient accumulation and ranks add up to a token-level mean. (A batch of (ids, all-ones mask)
+    gives plain language-model loss on every token.)"""
+    ids, lmask, attn = pad_batch(batch, 0, device)
+    with autocast(device):
+        lp = token_logprobs(model, ids, attn)
+    return -(lp * lmask[:, 1:]).sum() / total_tokens
+
+
+@torch.no_grad()
+def eval_heldout(model, tok, data, batch_size, device):
+    """One teacher-forced pass over held-out conversations -> {"eval_loss": agent-token NLL, "eval_acc": greedy
+    accuracy on agent tokens, "eval_id_acc": the same on agent tokens holding a digit or a customer name}. The
+    last is the copying meter: ids, zips, amounts and names must be copied from the conversation (with --redraw
+    the model has never seen these conversations' real ids and names together), and a model that only learned
+    the protocol scores near 0 on it."""
+    model.eval()
+    names = set(NAME_TOKENS)
+    copied = torch.tensor([any(ch.isdigit() for ch in t) or t in names
+                           for t in tok.convert_ids_to_tokens(list(range(len(tok))))], device=device)
+    nll, hit, n, dhit, dn = 0.0, 0, 0, 0, 0
+    for i in range(0, len(data), batch_size):
+        ids, lmask, attn = pad_batch(data[i:i + batch_size], 0, device)
+        with autocast(device):
+            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
+        tgt, m = ids[:, 1:], lmask[:, 1:].bool()
+        nll -= float((logprobs_from_logits(logits, ids)[0] * m).sum())
+        ok, d = (logits[:, :-1].argmax(-1) == tgt) & m, copied[tgt] & m
+        hit, n, dhit, dn = hit + int(ok.sum()), n + int(m.sum()), dhit + int((ok & d).sum()), dn + int(d.sum())
+    model.train()
+    return {"eval_loss": nll / max(1, n), "eval_acc": hit / max(1, n), "eval_id_acc": dhit / max(1, dn)}
+
+
+def load_conversations(path):
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    c = json.loads(line)
+                    assert isinstance(c.get("messages"), list), "no 'messages' list"
+                except (json.JSONDecodeError, AssertionError) as e:
+                    raise ValueError(f"{path}:{n}: not a conversation ({e})") from None
+                out.append(c)
+    return out
+
+
+def lr_at(step, total, lr, warmup):
+    """Linear warmup then cosine to 10% of the peak."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+
+# ====================================================================================================
+# The tiny model, for the CPU demo only: everything below is entered through tiny_model() and CopyMix.
+# ====================================================================================================
+
+
+@dataclass
+class TinyConfig:
+    vocab_size: int = 2048   # BPE tokens, plus one token per 2- and 3-digit string and per customer name
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    copy_warmup: int = 900   # at most this many short copy steps before SFT, then a third as many long ones
+    copy_mix: int = 4        # copy sequences mixed into every SFT step (0: none)
+
+
+def tiny_model(convs, cfg, *, lr, seed, device, init_dir=None):
+    """A tokenizer trained on the conversations, a fresh small Qwen3 sized to it (saved untrained to
+    `init_dir`: the evaluation's "base" row), then the copy warm-up. -> (tokenizer, model, warm-up metrics)."""
+    tok, model = make_tiny(convs, cfg.vocab_size, cfg.d_model, cfg.n_layer, cfg.n_head, seed)
+    model.to(device)
+    if init_dir:
+        save_checkpoint(init_dir, 0, model, tok)
+    warm = {}
+    if cfg.copy_warmup:  # every rank runs the same seeded warm-up, so the replicas stay equal
+        t0 = time.time()
+        acc, short = copy_warmup(model, tok, cfg.copy_warmup, lr, device, seed)
+        warm = {"copy_acc": acc, "copy_short_steps": short, "copy_warmup_s": round(time.time() - t0, 1)}
+    return tok, model, warm
+
+
+class CopyMix:
+    """A few long copy sequences added to every SFT step, so that the copy circuit is not forgotten."""
+
+    def __init__(self, tok, n, seed, device):
+        self.tok, self.n, self.seed, self.device = tok, n, seed, device
+
+    def loss(self, model, step, rank):
+        # seeded by step and rank: a resumed run sees the same sequences
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + step * 101 + rank)
+        return COPY_MIX_WEIGHT * copy_loss(model, self.tok, "long", gen, self.device, self.n)
+
+
+# the tokenizer and the model: a byte-level BPE trained on the data, a compact ChatML template, a small Qwen3
 
 TINY_CHAT_TEMPLATE = chatml_template()
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
@@ -208,154 +414,13 @@ def copy_warmup(model, tok, steps, lr, device, seed):
 
 
 # ----------------------------------------------------------------------------------------------------
-# checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
-
-
-def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
-    """Write out_dir/step_N atomically: into a temp folder, renamed when complete, then point `latest` at it."""
-    name = f"step_{step:06d}"
-    tmp, final = os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    unwrap(model).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None, **(extra or {})},
-               os.path.join(tmp, "train_state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
-        f.write(name)
-    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
-    done = sorted(d for d in os.listdir(out_dir) if d.startswith("step_") and not d.endswith(".tmp"))
-    for old in done[:-2]:  # keep the newest two
-        shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
-    return final
-
-
-def resolve_checkpoint(path):
-    """A run folder (with `latest`) or a checkpoint folder or a hub id -> what from_pretrained loads."""
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        return os.path.join(path, open(latest).read().strip())
-    return path
-
-
-def load_model(path, dtype=torch.float32, device="cpu"):
-    path = resolve_checkpoint(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "probe_tool", "arguments": {}}}]}]
-    if "probe_tool" not in render(tok, probe, [{"type": "function", "function": {
-            "name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}]):
-        # e.g. SmolLM2: its template drops tool calls, so SFT would teach the model never to call a tool
-        print(f"{path}: the chat template cannot render tool calls; using ChatML with Hermes tool calls")
-        tok.chat_template = chatml_template(signatures=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    return model, tok
-
-
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model
-
-
-# ----------------------------------------------------------------------------------------------------
-# distributed: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; alone, everything is rank 0 of 1
-
-
-def setup_distributed():
-    if "RANK" not in os.environ:
-        return 0, 1, "cuda" if torch.cuda.is_available() else "cpu"
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend)
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu"
-    return rank, world, device
-
-
-def all_reduce_sum(x):
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x)
-    return x
-
-
-def all_reduce_max(x):
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
-    return x
-
-
-def open_metrics(path, start_step):
-    """The run's metrics JSONL for appending; on resume, lines logged after the checkpoint (their steps are
-    about to be redone) are dropped first."""
-    if os.path.exists(path):
-        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(keep)
-        os.replace(path + ".tmp", path)
-    return open(path, "a")
-
-
-def lr_at(step, total, lr, warmup):
-    """Linear warmup then cosine to 10% of the peak."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def pad_batch(seqs, pad_id, device):
-    """Right-pad lists of (ids, mask) -> ids (B, T), loss mask (B, T), attention mask (B, T)."""
-    T = max(len(ids) for ids, _ in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    lmask = torch.zeros((len(seqs), T), dtype=torch.float)
-    attn = torch.zeros((len(seqs), T), dtype=torch.long)
-    for b, (i, m) in enumerate(seqs):
-        ids[b, :len(i)], lmask[b, :len(m)], attn[b, :len(i)] = torch.tensor(i), torch.tensor(m, dtype=torch.float), 1
-    return ids.to(device), lmask.to(device), attn.to(device)
-
-
-def token_logprobs(model, ids, attn, temperature=1.0):
-    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature."""
-    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
-
-
-def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
-    """logits (B, T, V) -> (log p(ids[:, t+1]) at each position t < T-1, entropy there or None). Logits are
-    divided by the sampling temperature so that GRPO's ratios use the distribution the rollout sampled from."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
-
-
-def autocast(device):
-    on_gpu = str(device).startswith("cuda") and torch.cuda.is_bf16_supported()
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
-
-
-# ----------------------------------------------------------------------------------------------------
-# training
-
-
-def load_conversations(path):
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    c = json.loads(line)
-                    assert isinstance(c.get("messages"), list), "no 'messages' list"
-                except (json.JSONDecodeError, AssertionError) as e:
-                    raise ValueError(f"{path}:{n}: not a conversation ({e})") from None
-                out.append(c)
-    return out
-
+# re-drawing ids and names
 
 ID_DIGITS = re.compile(r"\d{4,}")
 NAMES = re.compile(r"(?<![A-Za-z])(" + "|".join(NAME_TOKENS) + r")(?![a-z])")  # a name, not inside a word
 
 
-def redraw(messages, rng):
+def redraw_ids(messages, rng):
     """Replace every run of 4+ digits (order, item, product, payment and user ids, zips) by a fresh random run of
     the same length, and every customer name by another (first names and last names each permuted), consistently
     across one conversation: "Olga", "olga.ito8993@..." and "olga_ito_8993" stay one person. The conversation
@@ -380,161 +445,6 @@ def redraw(messages, rng):
             return {k: walk(v) for k, v in x.items()}
         return x
     return walk(messages)
-
-
-def micro_loss(model, batch, total_tokens, device):
-    """Sum of agent-token NLL in this micro-batch divided by the agent tokens of the whole global batch,
-    so that gradient accumulation and ranks add up to a token-level mean. (A batch of (ids, all-ones mask)
-    gives plain language-model loss on every token.)"""
-    ids, lmask, attn = pad_batch(batch, 0, device)
-    with autocast(device):
-        lp = token_logprobs(model, ids, attn)
-    return -(lp * lmask[:, 1:]).sum() / total_tokens
-
-
-@torch.no_grad()
-def eval_heldout(model, tok, data, batch_size, device):
-    """One teacher-forced pass over held-out conversations -> {"eval_loss": agent-token NLL, "eval_acc": greedy
-    accuracy on agent tokens, "eval_id_acc": the same on agent tokens holding a digit or a customer name}. The
-    last is the copying meter: ids, zips, amounts and names must be copied from the conversation (with --redraw
-    the model has never seen these conversations' real ids and names together), and a model that only learned
-    the protocol scores near 0 on it."""
-    model.eval()
-    names = set(NAME_TOKENS)
-    copied = torch.tensor([any(ch.isdigit() for ch in t) or t in names
-                           for t in tok.convert_ids_to_tokens(list(range(len(tok))))], device=device)
-    nll, hit, n, dhit, dn = 0.0, 0, 0, 0, 0
-    for i in range(0, len(data), batch_size):
-        ids, lmask, attn = pad_batch(data[i:i + batch_size], 0, device)
-        with autocast(device):
-            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
-        tgt, m = ids[:, 1:], lmask[:, 1:].bool()
-        nll -= float((logprobs_from_logits(logits, ids)[0] * m).sum())
-        ok, d = (logits[:, :-1].argmax(-1) == tgt) & m, copied[tgt] & m
-        hit, n, dhit, dn = hit + int(ok.sum()), n + int(m.sum()), dhit + int((ok & d).sum()), dn + int(d.sum())
-    model.train()
-    return {"eval_loss": nll / max(1, n), "eval_acc": hit / max(1, n), "eval_id_acc": dhit / max(1, dn)}
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="data/sft.jsonl")        # synth.py's output
-    p.add_argument("--model", default="tiny")                 # "tiny" or a path / hub id of a chat model
-    p.add_argument("--out", default="out/sft")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=8)       # conversations per micro-batch (per rank)
-    p.add_argument("--grad-accum", type=int, default=1)       # micro-batches per optimizer step
-    p.add_argument("--lr", type=float, default=5e-3)          # tiny model from scratch; ~1e-5 for a pretrained 8B
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--max-len", type=int, default=2048)       # conversations are truncated to this many tokens
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-frac", type=float, default=0.05)   # held-out conversations for the eval loss
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--redraw", default="auto", choices=["auto", "on", "off"])  # ids and names; auto: on for tiny
-    p.add_argument("--lm-steps", type=int, default=0)         # first steps with loss on every token (from scratch)
-    p.add_argument("--copy-warmup", type=int, default=900)    # tiny only: at most this many short copy steps, + 1/3 long
-    p.add_argument("--copy-mix", type=int, default=4)         # tiny model only: copy sequences in every SFT step
-    p.add_argument("--seed", type=int, default=0)
-    # the tiny model (only with --model tiny)
-    p.add_argument("--vocab-size", type=int, default=2048)    # BPE tokens, plus 1100 digit-chunk tokens
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-head", type=int, default=4)
-    args = p.parse_args()
-    train(args)
-
-
-def train(args):
-    rank, world, device = setup_distributed()
-    torch.manual_seed(args.seed)
-    convs = load_conversations(args.data)
-    random.Random(args.seed).shuffle(convs)
-    os.makedirs(args.out, exist_ok=True)
-    start, warm = 0, {}
-    if args.resume and os.path.isfile(os.path.join(args.out, "latest")):
-        model, tok = load_model(args.out, device=device)
-        state = torch.load(os.path.join(resolve_checkpoint(args.out), "train_state.pt"), weights_only=False)
-        start = state["step"]
-    elif args.model == "tiny":
-        tok, model = make_tiny(convs, args.vocab_size, args.d_model, args.n_layer, args.n_head, args.seed)
-        model.to(device)
-        if rank == 0:  # the untrained model is the "base" row of the evaluation table
-            save_checkpoint(os.path.join(args.out, "init"), 0, model, tok)
-        if args.copy_warmup:  # every rank runs the same seeded warm-up, so the replicas stay equal
-            t0 = time.time()
-            acc, short = copy_warmup(model, tok, args.copy_warmup, args.lr, device, args.seed)
-            warm = {"copy_acc": acc, "copy_short_steps": short, "copy_warmup_s": round(time.time() - t0, 1)}
-    else:
-        model, tok = load_model(args.model, device=device)
-    def encode(c):
-        ids, mask = encode_conversation(tok, c["messages"], c.get("tools"))
-        return ids[:args.max_len], mask[:args.max_len]
-    n_eval = max(1, int(len(convs) * args.eval_frac))
-    held, train_convs = [encode(c) for c in convs[:n_eval]], convs[n_eval:]
-    redraw_on = args.redraw == "on" or (args.redraw == "auto" and args.model == "tiny")
-    data = None if redraw_on else [encode(c) for c in train_convs]  # with redraw, each step encodes afresh
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    if start:
-        opt.load_state_dict(state["optimizer"])
-    log = open_metrics(os.path.join(args.out, "metrics.jsonl"), start) if rank == 0 else None
-    per_step = args.batch_size * args.grad_accum * world
-    mix = args.copy_mix if args.model == "tiny" else 0
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, desc="sft")
-    for step in bar:
-        t0 = time.time()
-        # the global batch of this step depends only on (seed, step), so a resumed run sees the same data
-        n = len(train_convs)
-        order = random.Random(args.seed * 1000003 + step // max(1, n // per_step)).sample(range(n), n)
-        k = step % max(1, n // per_step)
-        picked = order[k * per_step:(k + 1) * per_step]
-        glob = [data[j] for j in picked] if data else [encode({**train_convs[j], "messages": redraw(
-            train_convs[j]["messages"], random.Random(args.seed * 1000003 + step * 1009 + j))}) for j in picked]
-        if step < args.lm_steps:  # a model from scratch first learns the transcripts' language: every token
-            glob = [(ids, [1] * len(ids)) for ids, _ in glob]
-        mine = glob[rank::world]
-        total = max(1.0, float(sum(sum(m[1:]) for _, m in glob)))  # agent tokens in the global batch
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        loss_sum = 0.0
-        for a in range(args.grad_accum):
-            mb = mine[a * args.batch_size:(a + 1) * args.batch_size]
-            if not mb:
-                continue
-            loss = micro_loss(model, mb, total, device) * world  # DDP averages gradients over ranks
-            loss_sum += float(loss.detach()) / world
-            if mix and a == 0:  # this step's copy sequences (seeded by step and rank: a resumed run sees the same)
-                gen = torch.Generator().manual_seed(args.seed * 1000003 + step * 101 + rank)
-                loss = loss + COPY_MIX_WEIGHT * copy_loss(model, tok, "long", gen, device, args.copy_mix)
-            loss.backward()
-        loss_t = all_reduce_sum(torch.tensor(loss_sum))
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        rec = {"step": step + 1, "loss": float(loss_t), "lr": opt.param_groups[0]["lr"],
-               "grad_norm": float(gnorm), "tokens": total, "sec": round(time.time() - t0, 3)}
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            rec.update(eval_heldout(unwrap(model), tok, held, args.batch_size, device))
-            if mix:
-                rec["copy_acc"] = copy_accuracy(unwrap(model), tok, device)
-        if step == start:
-            rec.update(warm)
-        if rank == 0:
-            shown = ({"eval": f"{rec['eval_loss']:.3f}", "id_acc": f"{rec['eval_id_acc']:.2f}"}
-                     if "eval_loss" in rec else {})
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", **shown)
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-                save_checkpoint(args.out, step + 1, model, tok, opt)
-    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return model, tok
 
 
 if __name__ == "__main__":

@@ -1,15 +1,25 @@
 """
-synth.py: cold-start data. Plays the train tasks with an agent and a simulated user and keeps only the
-conversations whose final database is right (reward 1), as OpenAI-format JSONL for sft.py.
+synth.py: cold-start data (MUA-RL's first stage). Plays the train tasks with an agent and a simulated user and
+keeps only the conversations whose final database is right (reward 1), as OpenAI-format JSONL for sft.py.
 
     python synth.py                                   # oracle agent, scripted user, real tool execution
     python synth.py --tools mcp                       # tool results from a real MCP server (subprocess, stdio)
     python synth.py --tools llm --tool-llm PATH       # an LLM simulates every tool from a slice of the db
     python synth.py --agent http://localhost:8000/v1 --agent-model Qwen/Qwen3-8B   # a teacher LLM plays the agent
-    python synth.py --user-llm http://localhost:8001/v1 --user-model Qwen/Qwen3-8B # an LLM plays the user
+    python synth.py --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B     # an LLM plays the user
+    python synth.py --mcp-server --db data/shop.json  # only serve env.py's tools over MCP (stdio)
 
 Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (the generated shop and its splits,
 once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}.
+
+What is simplified, and why:
+1. The demo's shop is generated here (12 products, 60 users), in tau2's retail schema, so everything runs
+   with no external files; tau2's own db.json and tasks.json load through the same env.py.
+2. The default agent is an oracle that follows each generated task's gold plan through real messages; a
+   teacher LLM (--agent URL) is the paper's route and works on any task.
+3. Tool results come from real execution (default), a real MCP server over stdio (--tools mcp), or an LLM
+   that simulates the tool (--tools llm): the paper's three pipelines. In every case the real tool also runs
+   on the episode's own db, so only trajectories the reward verifies are kept.
 """
 import argparse
 import asyncio
@@ -21,13 +31,386 @@ import re
 import sys
 import threading
 import uuid
+from collections import Counter, OrderedDict
 from pathlib import Path
-from collections import Counter
 
 from tqdm import tqdm
 
 import env
-from rollout import run_episodes, score_episode
+from rollout import chat_backend, make_user_factory, run_episodes, score_episode
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--data-dir", default="data", help="where the generated shop, its task splits and sft.jsonl go")
+    g.add_argument("--out", default=None, help="the kept conversations (default: <data-dir>/sft.jsonl)")
+    g.add_argument("--n-tasks", type=int, default=None, help="play only the first n train tasks (default: all)")
+    g.add_argument("--n-users", type=int, default=60, help="users of the generated shop (only when made anew)")
+    g.add_argument("--n-train", type=int, default=400, help="train tasks of the generated shop")
+    g.add_argument("--n-test", type=int, default=60, help="test tasks of the generated shop")
+    g = p.add_argument_group("agent and tools")
+    g.add_argument("--agent", default="oracle",
+                   help="'oracle' (the gold plan), a local model path, or an OpenAI-compatible URL (a teacher)")
+    g.add_argument("--agent-model", default=None, help="model name at the --agent endpoint")
+    g.add_argument("--tools", default="env", choices=["env", "mcp", "llm"],
+                   help="tool results from env.py, from the MCP server, or simulated by an LLM")
+    g.add_argument("--tool-llm", default=None, help="with --tools llm: a model path or an OpenAI-compatible URL")
+    g.add_argument("--tool-model", default=None, help="model name at the --tool-llm endpoint")
+    g = p.add_argument_group("user")
+    g.add_argument("--user", default=None,
+                   help="None: the scripted user; a model path, 'smollm2', or an OpenAI-compatible URL")
+    g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
+    g.add_argument("--user-guidelines", default=None,
+                   help="the LLM user's guidelines file (default: env.py's short fallback wording)")
+    g = p.add_argument_group("rollout")
+    g.add_argument("--max-turns", type=int, default=30, help="agent turns per episode")
+    g.add_argument("--chunk", type=int, default=64, help="episodes played together")
+    g.add_argument("--seed", type=int, default=0, help="seeds the generated shop and the users' wording")
+    g = p.add_argument_group("MCP server mode")
+    g.add_argument("--mcp-server", action="store_true", help="only serve env.py's tools over MCP on stdio")
+    g.add_argument("--db", default=None, help="with --mcp-server: the db.json to serve")
+    g.add_argument("--max-episodes", type=int, default=16, help="with --mcp-server: episode dbs kept at once")
+    args = p.parse_args()
+    if args.mcp_server:
+        if not args.db:
+            p.error("--mcp-server needs --db PATH")
+        return serve_mcp(args.db, args.max_episodes)
+    if args.tools == "llm" and not args.tool_llm:
+        p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
+
+    db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
+    tasks = train[:args.n_tasks] if args.n_tasks else train
+    shop = os.path.join(args.data_dir, "shop.json")
+    tools = env.TOOL_SCHEMAS
+    if args.tools == "mcp":
+        with MCPToolClient(shop) as c:
+            tools = c.list_tools()  # the schemas the agent sees are the server's
+    if args.agent == "oracle":
+        make_agent = lambda task, seed: OracleAgent(task, seed)
+    else:
+        teacher = TeacherAgent(chat_backend(args.agent, args.agent_model))
+        make_agent = lambda task, seed: teacher
+    call_tool = (LLMToolSimulator(chat_backend(args.tool_llm, args.tool_model)) if args.tools == "llm"
+                 else env.call_tool)
+    eps = synthesize(tasks, db, make_user=make_user_factory(args.user, args.user_model, args.user_guidelines),
+                     make_agent=make_agent, call_tool=call_tool, tools=tools, max_turns=args.max_turns,
+                     chunk=args.chunk, seed=args.seed, mcp_db=shop if args.tools == "mcp" else None)
+
+    out = args.out or os.path.join(args.data_dir, "sft.jsonl")
+    kept = [e for e in eps if e.reward == 1.0 and not e.errored]
+    with open(out + ".tmp", "w") as f:
+        for e in kept:
+            f.write(json.dumps({"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": tools,
+                                "messages": e.messages}) + "\n")
+    os.replace(out + ".tmp", out)
+    why = Counter("errored" if e.errored else f"{e.reward_info.get('failed') or 'db'} ({e.end_reason})"
+                  for e in eps if e not in kept)
+    print(f"tried {len(eps)}, kept {len(kept)} -> {out}")
+    for reason, n in why.most_common():
+        print(f"  dropped {n}: {reason}")
+
+
+def synthesize(tasks, db, *, make_user, make_agent, call_tool, tools, max_turns, chunk, seed, mcp_db=None):
+    """Play every task once; return all episodes (the caller keeps those with reward 1). With `mcp_db` (the
+    served db's path) tool calls go to one MCP server; each episode is its own db copy there, scored from it."""
+    kw = dict(make_user=make_user, make_agent=make_agent, tools=tools, max_turns=max_turns)
+    eps = []
+    if mcp_db:
+        with MCPToolClient(mcp_db) as client:
+            for i, task in enumerate(tqdm(tasks, desc="synth (mcp)")):
+                client.reset()
+                ep, = run_episodes(None, None, [task], db, seed=seed + i, score=False,
+                                   call_tool=lambda _db, name, a: client.call_tool(name, a), **kw)
+                ep.db = client.get_db()
+                eps.append(score_episode(ep, task, db))
+        return eps
+    for i in tqdm(range(0, len(tasks), chunk), desc="synth"):
+        eps += run_episodes(None, None, tasks[i:i + chunk], db, seed=seed + i, call_tool=call_tool, **kw)
+    return eps
+
+
+def prepare_data(data_dir, seed=0, n_users=60, n_train=400, n_test=60):
+    """Generate the shop and its train/test tasks into data_dir (once) and load them."""
+    os.makedirs(data_dir, exist_ok=True)
+    shop = os.path.join(data_dir, "shop.json")
+    if not os.path.exists(shop):
+        db = generate_shop(seed, n_users)
+        splits = generate_tasks(db, seed, n_train, n_test)
+        with open(shop + ".tmp", "w") as f:
+            json.dump(db, f)
+        for name, tasks in splits.items():
+            env.save_tasks(tasks, os.path.join(data_dir, f"{name}_tasks.jsonl"))
+        os.replace(shop + ".tmp", shop)  # last, so a half-written folder is regenerated
+    return (env.load_db(shop), env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl")),
+            env.load_tasks(os.path.join(data_dir, "test_tasks.jsonl")))
+
+
+# ----------------------------------------------------------------------------------------------------
+# a generated shop and tasks over it, so everything runs with no external files
+
+PRODUCTS = {  # name -> (option name, option values, base price); one option each keeps the demo learnable
+    "T-Shirt": ("color", ["black", "white", "blue", "red", "green"], 24.0),
+    "Water Bottle": ("capacity", ["500ml", "750ml", "1000ml"], 18.0),
+    "Desk Lamp": ("power source", ["battery", "USB", "AC adapter"], 45.0),
+    "Backpack": ("color", ["black", "grey", "navy", "olive"], 60.0),
+    "Sneakers": ("size", ["7", "8", "9", "10", "11"], 80.0),
+    "Headphones": ("type", ["over-ear", "on-ear", "in-ear"], 120.0),
+    "Coffee Maker": ("capacity", ["4 cups", "8 cups", "12 cups"], 70.0),
+    "Yoga Mat": ("thickness", ["4mm", "6mm", "8mm"], 30.0),
+    "Wall Clock": ("style", ["modern", "vintage", "minimalist"], 35.0),
+    "Notebook": ("paper", ["lined", "dotted", "blank"], 9.0),
+    "Umbrella": ("size", ["compact", "standard", "golf"], 22.0),
+    "Sunglasses": ("lens", ["polarized", "mirrored", "gradient"], 95.0),
+}
+STREETS = ["Oak St", "Maple Ave", "Pine Rd", "Cedar Ln", "Elm St", "Lake Dr", "Hill Rd", "River Way"]
+CITIES = [("Austin", "TX", "787"), ("Denver", "CO", "802"), ("Seattle", "WA", "981"), ("Boston", "MA", "021"),
+          ("Phoenix", "AZ", "850"), ("Chicago", "IL", "606")]
+
+
+def _digits(rng, n):
+    return str(rng.randrange(10 ** (n - 1), 10 ** n))
+
+
+def _random_address(rng):
+    city, state, zip3 = rng.choice(CITIES)
+    return {"address1": f"{rng.randrange(10, 999)} {rng.choice(STREETS)}",
+            "address2": rng.choice(["", f"Apt {rng.randrange(1, 40)}"]),
+            "city": city, "country": "USA", "state": state, "zip": zip3 + _digits(rng, 2)}
+
+
+def generate_shop(seed=0, n_users=60):
+    """A small shop in tau2's retail schema: 12 products, `n_users` users, 2-4 orders each."""
+    rng = random.Random(seed)
+    db = {"products": {}, "users": {}, "orders": {}}
+    for name, (opt, values, base) in PRODUCTS.items():
+        pid = _digits(rng, 10)
+        variants = {}
+        for v in values:
+            iid = _digits(rng, 10)
+            variants[iid] = {"item_id": iid, "options": {opt: v}, "available": rng.random() > 0.15,
+                             "price": round(base * rng.uniform(0.8, 1.25), 2)}
+        db["products"][pid] = {"name": name, "product_id": pid, "variants": variants}
+    names = set()
+    while len(names) < n_users:
+        names.add((rng.choice(env.FIRST), rng.choice(env.LAST)))
+    for first, last in sorted(sorted(names), key=lambda n: rng.random()):  # sorted first: set order varies by process
+        _add_user(db, rng, first, last)
+    return db
+
+
+def _add_user(db, rng, first, last):
+    uid = f"{first.lower()}_{last.lower()}_{_digits(rng, 4)}"
+    pms = {}
+    for source in rng.sample(["credit_card", "paypal", "gift_card"], rng.randrange(1, 3)):
+        pm = {"source": source, "id": f"{source}_{_digits(rng, 7)}"}
+        if source == "credit_card":
+            pm.update(brand=rng.choice(["visa", "mastercard"]), last_four=_digits(rng, 4))
+        if source == "gift_card":
+            pm["balance"] = float(rng.randrange(0, 300))
+        pms[pm["id"]] = pm
+    user = {"user_id": uid, "name": {"first_name": first, "last_name": last}, "address": _random_address(rng),
+            "email": f"{first.lower()}.{last.lower()}{_digits(rng, 4)}@example.com",
+            "payment_methods": pms, "orders": []}
+    db["users"][uid] = user
+    for _ in range(rng.randrange(2, 5)):
+        _add_order(db, rng, user)
+
+
+def _add_order(db, rng, user):
+    oid = "#W" + _digits(rng, 7)
+    items = []
+    for p in rng.sample(list(db["products"].values()), rng.choice([1, 1, 2])):
+        v = rng.choice(list(p["variants"].values()))
+        items.append({"name": p["name"], "product_id": p["product_id"], "item_id": v["item_id"],
+                      "price": v["price"], "options": dict(v["options"])})
+    status = rng.choice(["pending", "pending", "delivered", "delivered", "processed", "cancelled"])
+    pm = rng.choice(list(user["payment_methods"]))
+    total = round(sum(i["price"] for i in items), 2)
+    order = {"order_id": oid, "user_id": user["user_id"], "address": dict(user["address"]), "items": items,
+             "status": status, "fulfillments": [], "payment_history": [
+                 {"transaction_type": "payment", "amount": total, "payment_method_id": pm}]}
+    if status in ("delivered", "processed"):
+        order["fulfillments"] = [{"tracking_id": [_digits(rng, 12)], "item_ids": [i["item_id"] for i in items]}]
+    if status == "cancelled":
+        order["cancel_reason"] = rng.choice(["no longer needed", "ordered by mistake"])
+        order["payment_history"].append({"transaction_type": "refund", "amount": total, "payment_method_id": pm})
+    db["orders"][oid] = order
+    user["orders"].append(oid)
+
+
+TASK_KINDS = ["cancel", "modify_items", "modify_address", "modify_payment", "return", "exchange",
+              "user_address", "info", "switch"]
+REASONS = {"no longer needed": ["I no longer need it", "I don't need it anymore"],
+           "ordered by mistake": ["I ordered it by mistake", "I bought it by accident"]}
+SOURCE_WORDS = {"credit_card": "credit card", "paypal": "paypal", "gift_card": "gift card"}
+
+
+def _act(name, **arguments):
+    return {"action_id": "", "name": name, "arguments": arguments}
+
+
+def _orders(db, user, status):
+    return [db["orders"][o] for o in user["orders"] if db["orders"][o]["status"] == status]
+
+
+def _other_variant(db, item, rng):
+    """A different, available variant of the item's product, or None."""
+    vs = [v for v in db["products"][item["product_id"]]["variants"].values()
+          if v["available"] and v["item_id"] != item["item_id"]]
+    return rng.choice(vs) if vs else None
+
+
+def _phase(db, user, kind, rng, order=None):
+    """One request a user can make: what they say, the reads and write that serve it, what the agent's
+    confirmation must mention, and its gist in the agent's fixed words (the oracle's restatement). None when
+    this user has nothing to make that request about."""
+    uid, pms = user["user_id"], user["payment_methods"]
+    status = {"cancel": "pending", "modify_items": "pending", "modify_address": "pending",
+              "modify_payment": "pending", "return": "delivered", "exchange": "delivered"}.get(kind)
+    if status:
+        candidates = [order] if order else _orders(db, user, status)
+        if not candidates or candidates[0]["status"] != status:
+            return None
+        order = rng.choice(candidates)
+    oid = order["order_id"] if order else None
+    reads = [_act("get_order_details", order_id=oid)] if oid else []
+    if kind == "cancel":
+        reason = rng.choice(list(REASONS))
+        why = REASONS[reason]
+        say = [f"I want to cancel my order {oid} because {why[0]}.", f"Please cancel order {oid}, {why[1]}."]
+        return dict(say=say, reads=reads, write=_act("cancel_pending_order", order_id=oid, reason=reason),
+                    confirm_keys=[oid, "cancel", reason], gist=f"cancel order {oid} ({reason})")
+    if kind in ("modify_items", "exchange"):
+        item = rng.choice(order["items"])
+        new = _other_variant(db, item, rng)
+        src = rng.choice(list(pms))
+        if new is None:
+            return None
+        (opt, val), = new["options"].items()
+        verb = "change" if kind == "modify_items" else "exchange"
+        pay = f"Use my {SOURCE_WORDS[pms[src]['source']]} for any price difference."
+        say = [f"I'd like to {verb} the {item['name']} in order {oid} for the {val} one. {pay}",
+               f"In my order {oid}, please {verb} the {item['name']} to {opt} {val}. {pay}"]
+        tool = "modify_pending_order_items" if kind == "modify_items" else "exchange_delivered_order_items"
+        write = _act(tool, order_id=oid, item_ids=[item["item_id"]], new_item_ids=[new["item_id"]],
+                     payment_method_id=src)
+        return dict(say=say, reads=reads + [_act("get_product_details", product_id=item["product_id"])],
+                    write=write, confirm_keys=[oid, val], gist=f"{verb} an item in order {oid} for the {val} one")
+    if kind in ("modify_address", "user_address"):
+        a = _random_address(rng)
+        where = f"{a['address1']}{', ' + a['address2'] if a['address2'] else ''}, {a['city']}, {a['state']} {a['zip']}"
+        if kind == "modify_address":
+            say = [f"Please change the shipping address of order {oid} to {where}.",
+                   f"I need order {oid} shipped to a new address: {where}."]
+            write = _act("modify_pending_order_address", order_id=oid, **a)
+            return dict(say=say, reads=reads, write=write, confirm_keys=[oid, a["address1"]],
+                        gist=f"ship order {oid} to a new address")
+        say = [f"I moved. Please update my default address to {where}.",
+               f"Can you change the address on my account to {where}?"]
+        return dict(say=say, reads=[], write=_act("modify_user_address", user_id=uid, **a),
+                    confirm_keys=[a["address1"]], gist="change your default address")
+    if kind == "modify_payment":
+        paid = order["payment_history"][0]
+        others = [p for p in pms if p != paid["payment_method_id"]
+                  and (pms[p]["source"] != "gift_card" or pms[p]["balance"] >= paid["amount"])]
+        if not others:
+            return None
+        new = rng.choice(others)
+        word = SOURCE_WORDS[pms[new]["source"]]
+        say = [f"I want to pay for order {oid} with my {word} instead.",
+               f"Could you switch the payment method of order {oid} to my {word}?"]
+        return dict(say=say, reads=reads, write=_act("modify_pending_order_payment", order_id=oid,
+                                                     payment_method_id=new), confirm_keys=[oid, new],
+                    gist=f"pay for order {oid} with your {word}")
+    if kind == "return":
+        item = rng.choice(order["items"])
+        say = [f"I want to return the {item['name']} from order {oid}.",
+               f"I'd like to send back the {item['name']} I got in order {oid}."]
+        write = _act("return_delivered_order_items", order_id=oid, item_ids=[item["item_id"]],
+                     payment_method_id=order["payment_history"][0]["payment_method_id"])
+        return dict(say=say, reads=reads, write=write, confirm_keys=[oid, item["name"]],
+                    gist=f"return the {item['name']} from order {oid}")
+    if kind == "info":
+        order = order or rng.choice([db["orders"][o] for o in user["orders"]])
+        oid = order["order_id"]
+        total = json.dumps(order["payment_history"][0]["amount"])
+        say = [f"How much did I pay for order {oid}?", f"Can you tell me the total I paid for order {oid}?"]
+        return dict(say=say, reads=[_act("get_order_details", order_id=oid)], write=None,
+                    answer=f"You paid {total} for order {oid}.", answer_keys=[total],
+                    gist=f"look up what you paid for order {oid}")
+    raise ValueError(f"unknown task kind {kind!r}")
+
+
+def _make_task(db, user, kind, rng):
+    if kind == "switch":  # cancel, then at the confirmation prefer another request on the same order
+        first = _phase(db, user, "cancel", rng)
+        if first is None:
+            return None
+        order = db["orders"][first["write"]["arguments"]["order_id"]]
+        second = _phase(db, user, rng.choice(["modify_address", "modify_payment"]), rng, order)
+        phases = [first, second] if second else None
+    else:
+        p = _phase(db, user, kind, rng)
+        phases = [p] if p else None
+    if phases is None:
+        return None
+    knows_email = rng.random() < 0.6
+    first_name, last_name, zipc = user["name"]["first_name"], user["name"]["last_name"], user["address"]["zip"]
+    ident = (_act("find_user_id_by_email", email=user["email"]) if knows_email else
+             _act("find_user_id_by_name_zip", first_name=first_name, last_name=last_name, zip=zipc))
+    last = phases[-1]
+    # the user's record is read only when its payment methods are needed, which keeps conversations short
+    needs_user = any(p["write"] and "payment_method_id" in p["write"]["arguments"] and p["write"]["name"] !=
+                     "return_delivered_order_items" for p in phases)
+    actions = [ident] + ([_act("get_user_details", user_id=user["user_id"])] if needs_user else []) + last["reads"]
+    actions += [last["write"]] if last["write"] else []
+    reason = " ".join(p["say"][0] for p in phases[:1])
+    if len(phases) > 1:
+        reason += (" When the agent asks you to confirm, change your mind: you would rather keep the order. "
+                   + phases[1]["say"][0])
+    return {
+        "id": "", "kind": kind,
+        "user_scenario": {"instructions": {
+            "domain": "retail", "reason_for_call": reason,
+            "known_info": (f"Your email is {user['email']}." if knows_email else "")
+            + f" You are {first_name} {last_name}, zip code {zipc}.",
+            "unknown_info": "" if knows_email else "You do not remember your email address.",
+            "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
+        "evaluation_criteria": {"actions": actions,
+                                "communicate_info": last.get("answer_keys", [])},
+        "script": {"needs_user": needs_user, "email": user["email"] if knows_email else None,
+                   "first_name": first_name,
+                   "last_name": last_name, "zip": zipc, "user_id": user["user_id"], "phases": phases},
+    }
+
+
+def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
+    """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
+    rng = random.Random(seed)
+    uids = sorted(db["users"])
+    rng.shuffle(uids)
+    n_test_users = max(1, int(len(uids) * test_frac))
+    splits = {"test": uids[:n_test_users], "train": uids[n_test_users:]}
+    out = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        tasks = []
+        while len(tasks) < n:
+            kind = TASK_KINDS[len(tasks) % len(TASK_KINDS)]
+            for _ in range(50):  # not every user can make every request
+                t = _make_task(db, db["users"][rng.choice(splits[split])], kind, rng)
+                if t:
+                    break
+            else:
+                raise ValueError(f"no {split} user of this shop can make a {kind!r} request in 50 tries; "
+                                 "generate a larger shop (n_users)")
+            t["id"] = f"{split}_{len(tasks)}"
+            for j, a in enumerate(t["evaluation_criteria"]["actions"]):
+                a["action_id"] = f"{t['id']}_{j}"
+            tasks.append(t)
+        out[split] = tasks
+    return out
+
 
 # ----------------------------------------------------------------------------------------------------
 # the oracle agent: a policy-following expert that solves a task from its gold plan
@@ -149,15 +532,106 @@ class OracleAgent:
 
 
 # ----------------------------------------------------------------------------------------------------
-# tools over MCP: synth.py is a client of env.py's MCP server (a subprocess over stdio)
+# tools over MCP: env.py's 16 tools served over the Model Context Protocol (stdio), and the client that
+# synth.py --tools mcp plays episodes through (`python synth.py --mcp-server --db PATH` runs the server alone).
+# Starting a server costs ~1.5 s, a db copy ~10 ms, so one server holds several independent episode dbs,
+# keyed by the request's _meta["mua-rl/episode"] (MCP's slot for per-request metadata); the tool list stays
+# exactly the 16 agent tools. A new episode id gets a fresh copy of the db, made on first use. Calls without
+# the key use the session db, so a generic MCP client sees plain stateful behaviour. An episode's db is
+# readable as the resource mua-rl://db/<episode> (the caller scores the reward from it). Only the
+# `max_episodes` most recent episodes are kept; touching an evicted one is an error, not a silent restart.
 
+EPISODE_KEY = "mua-rl/episode"
+DB_URI = "mua-rl://db"
+
+
+def make_server(db, max_episodes=16):
+    """A low-level MCP Server over `db` (the session db, mutated in place by calls without an episode)."""
+    import mcp.types as types
+    from mcp.server.lowlevel import Server
+    from mcp.shared.exceptions import MCPError
+
+    pristine = json.dumps(db)  # json round trip is exact for the db (plain JSON values) and 3x faster than deepcopy
+    episodes = OrderedDict()   # episode id -> db, least recently used first
+    evicted = set()
+    tools = [types.Tool(name=f["name"], description=f["description"], input_schema=f["parameters"])
+             for f in (s["function"] for s in env.TOOL_SCHEMAS)]
+
+    def lookup(episode, create):
+        if not episode:
+            return db
+        if episode in episodes:
+            episodes.move_to_end(episode)
+            return episodes[episode]
+        if episode in evicted:
+            raise KeyError(f"episode {episode} expired (the server keeps the {max_episodes} most recent)")
+        fresh = json.loads(pristine)
+        if not create:  # reading an untouched episode must not evict a live one
+            return fresh
+        episodes[episode] = fresh
+        while len(episodes) > max_episodes:
+            evicted.add(episodes.popitem(last=False)[0])
+        return fresh
+
+    async def on_list_tools(ctx, params):
+        return types.ListToolsResult(tools=tools)
+
+    async def on_call_tool(ctx, params):
+        # No awaits below: each call runs atomically even when requests are served concurrently.
+        try:
+            episode_db = lookup((params.meta or {}).get(EPISODE_KEY), create=True)
+        except KeyError as e:
+            content, is_error = f"Error: {e.args[0]}", True
+        else:
+            args = params.arguments if params.arguments is not None else {}  # MCP: omitted = no arguments
+            content, is_error = env.call_tool(episode_db, params.name, args)
+        return types.CallToolResult(content=[types.TextContent(text=content)], is_error=is_error)
+
+    async def on_list_resources(ctx, params):
+        return types.ListResourcesResult(resources=[types.Resource(
+            uri=DB_URI, name="db", description="the session's retail db", mime_type="application/json")])
+
+    async def on_list_resource_templates(ctx, params):
+        return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
+            uri_template=DB_URI + "/{episode}", name="episode db", mime_type="application/json",
+            description=f"the retail db of the episode named by _meta['{EPISODE_KEY}'] in tools/call")])
+
+    async def on_read_resource(ctx, params):
+        uri = str(params.uri)
+        if uri != DB_URI and not uri.startswith(DB_URI + "/"):
+            raise MCPError(types.INVALID_PARAMS, f"unknown resource {uri}")
+        try:
+            episode_db = lookup(uri[len(DB_URI) + 1:], create=False)
+        except KeyError as e:
+            raise MCPError(types.INVALID_PARAMS, e.args[0])
+        return types.ReadResourceResult(contents=[types.TextResourceContents(
+            uri=uri, mime_type="application/json", text=json.dumps(episode_db))])
+
+    return Server("mua-rl-retail", version="0.1", on_list_tools=on_list_tools, on_call_tool=on_call_tool,
+                  on_list_resources=on_list_resources, on_list_resource_templates=on_list_resource_templates,
+                  on_read_resource=on_read_resource)
+
+
+def serve_mcp(db_path, max_episodes=16):
+    """Serve the retail tools over stdio until stdin closes. stdout is the wire: log to stderr only."""
+    import anyio
+    from mcp.server.stdio import stdio_server
+
+    server = make_server(env.load_db(db_path), max_episodes)
+
+    async def run():
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    print(f"mcp server pid {os.getpid()} serving {db_path}", file=sys.stderr, flush=True)
+    anyio.run(run)
 
 
 class MCPToolClient:
     """Blocking MCP client over a server subprocess (one per client). Also a context manager.
 
-    `command`: the server argv without the db, e.g. ["python", "env.py", "--mcp-server"]; "--db db_path"
-    is appended. Default: this file's --serve. Not thread-safe per episode: give each worker its own client.
+    `command`: the server argv without the db, e.g. ["python", "synth.py", "--mcp-server"]; "--db db_path"
+    is appended. Default: this file's --mcp-server. Not thread-safe per episode: give each worker its own client.
     """
 
     def __init__(self, db_path, command=None, timeout=60.0, errlog=None):
@@ -165,7 +639,7 @@ class MCPToolClient:
         from mcp import Client
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
-        command = list(command or [sys.executable, str(Path(env.__file__).resolve()), "--mcp-server"])
+        command = list(command or [sys.executable, str(Path(__file__).resolve()), "--mcp-server"])
         params = StdioServerParameters(command=command[0], args=command[1:] + ["--db", str(db_path)],
                                        env=dict(os.environ), cwd=str(Path(__file__).resolve().parent))
         self.timeout = timeout
@@ -228,7 +702,7 @@ class MCPToolClient:
             # on an empty db is exactly what the server would have said.
             return env.call_tool({}, name, arguments)
         try:
-            result = self._run(self._client.call_tool(name, arguments, meta={env.EPISODE_KEY: self.episode}))
+            result = self._run(self._client.call_tool(name, arguments, meta={EPISODE_KEY: self.episode}))
         except Exception as e:
             return f"Error: MCP call failed: {type(e).__name__}: {e}", True
         text = "".join(c.text for c in result.content if getattr(c, "type", None) == "text")
@@ -236,7 +710,7 @@ class MCPToolClient:
 
     def get_db(self):
         """The current episode's db (for the reward), as the server holds it."""
-        result = self._run(self._client.read_resource(f"{env.DB_URI}/{self.episode}"))
+        result = self._run(self._client.read_resource(f"{DB_URI}/{self.episode}"))
         return json.loads(result.contents[0].text)
 
     def reset(self):
@@ -363,95 +837,6 @@ class TeacherAgent:
 
     def act(self, messages):
         return self.backend.chat([messages], self.max_new_tokens, self.temperature, tools=env.TOOL_SCHEMAS)[0]
-
-
-# ----------------------------------------------------------------------------------------------------
-# the data folder: the generated shop and its task splits, written once
-
-
-def prepare_data(data_dir, seed=0, n_users=60, n_train=400, n_test=60):
-    """Generate the shop and its train/test tasks into data_dir (once) and load them."""
-    os.makedirs(data_dir, exist_ok=True)
-    shop = os.path.join(data_dir, "shop.json")
-    if not os.path.exists(shop):
-        db = env.generate_shop(seed, n_users)
-        splits = env.generate_tasks(db, seed, n_train, n_test)
-        with open(shop + ".tmp", "w") as f:
-            json.dump(db, f)
-        for name, tasks in splits.items():
-            env.save_tasks(tasks, os.path.join(data_dir, f"{name}_tasks.jsonl"))
-        os.replace(shop + ".tmp", shop)  # last, so a half-written folder is regenerated
-    return (env.load_db(shop), env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl")),
-            env.load_tasks(os.path.join(data_dir, "test_tasks.jsonl")))
-
-
-def synthesize(tasks, db, args, tools=env.TOOL_SCHEMAS):
-    """Play every task once; return all episodes (the caller keeps those with reward 1)."""
-    make_user = env.user_factory(args.user_llm, args.user_model)
-    if args.agent == "oracle":
-        make_agent = lambda task, seed: OracleAgent(task, seed)
-    else:
-        teacher = TeacherAgent(env.chat_backend(args.agent, args.agent_model))
-        make_agent = lambda task, seed: teacher
-    kw = dict(make_user=make_user, make_agent=make_agent, tools=tools, max_turns=args.max_turns)
-    eps = []
-    if args.tools == "mcp":  # one server; each episode is its own db copy on it, scored from the server's db
-        with MCPToolClient(os.path.join(args.data_dir, "shop.json")) as client:
-            for i, task in enumerate(tqdm(tasks, desc="synth (mcp)")):
-                client.reset()
-                ep, = run_episodes(None, None, [task], db, seed=args.seed + i, score=False,
-                                   call_tool=lambda _db, name, a: client.call_tool(name, a), **kw)
-                ep.db = client.get_db()
-                eps.append(score_episode(ep, task, db))
-        return eps
-    call_tool = LLMToolSimulator(env.chat_backend(args.tool_llm, args.tool_model)) if args.tools == "llm" \
-        else env.call_tool
-    for i in tqdm(range(0, len(tasks), args.chunk), desc=f"synth ({args.tools})"):
-        eps += run_episodes(None, None, tasks[i:i + args.chunk], db, seed=args.seed + i, call_tool=call_tool, **kw)
-    return eps
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", default="data")
-    p.add_argument("--out", default=None)                   # default: <data-dir>/sft.jsonl
-    p.add_argument("--agent", default="oracle")             # "oracle", a model path, or an OpenAI-compatible URL
-    p.add_argument("--agent-model", default=None)           # model name at that endpoint
-    p.add_argument("--user-llm", default=None)              # None: the scripted user; else a model path or a URL
-    p.add_argument("--user-model", default=None)
-    p.add_argument("--tools", default="env", choices=["env", "mcp", "llm"])
-    p.add_argument("--tool-llm", default=None)              # with --tools llm: a model path or a URL
-    p.add_argument("--tool-model", default=None)
-    p.add_argument("--n-tasks", type=int, default=None)     # default: every train task
-    p.add_argument("--max-turns", type=int, default=30)
-    p.add_argument("--chunk", type=int, default=64)         # episodes played together
-    p.add_argument("--seed", type=int, default=0)
-    # the generated shop (used only when data-dir has none yet)
-    p.add_argument("--n-users", type=int, default=60)
-    p.add_argument("--n-train", type=int, default=400)
-    p.add_argument("--n-test", type=int, default=60)
-    args = p.parse_args()
-    if args.tools == "llm" and not args.tool_llm:
-        p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
-    db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
-    tasks = train[:args.n_tasks] if args.n_tasks else train
-    tools = env.TOOL_SCHEMAS
-    if args.tools == "mcp":
-        with MCPToolClient(os.path.join(args.data_dir, "shop.json")) as c:
-            tools = c.list_tools()  # the schemas the agent sees are the server's
-    eps = synthesize(tasks, db, args, tools)
-    out = args.out or os.path.join(args.data_dir, "sft.jsonl")
-    kept = [e for e in eps if e.reward == 1.0 and not e.errored]
-    with open(out + ".tmp", "w") as f:
-        for e in kept:
-            f.write(json.dumps({"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": tools,
-                                "messages": e.messages}) + "\n")
-    os.replace(out + ".tmp", out)
-    why = Counter("errored" if e.errored else f"{e.reward_info.get('failed') or 'db'} ({e.end_reason})"
-                  for e in eps if e not in kept)
-    print(f"tried {len(eps)}, kept {len(kept)} -> {out}")
-    for reason, n in why.most_common():
-        print(f"  dropped {n}: {reason}")
 
 
 if __name__ == "__main__":
