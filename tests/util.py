@@ -3,6 +3,8 @@
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -73,3 +75,79 @@ def check_torchrun(r):
     if r.returncode != 0 and any(s in r.stderr for s in no_net):
         pytest.skip(f"gloo/torchrun cannot connect on this machine: {r.stderr[-600:]}")
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def cli_args(**over):
+    """Keyword overrides -> a script's command-line flags: --snake-case VALUE; a list gives several values;
+    True gives the bare flag; False and None are left out (the parser's default)."""
+    argv = []
+    for k, v in over.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            argv.append(flag)
+        elif v is False or v is None:
+            continue
+        elif isinstance(v, (list, tuple)):
+            argv += [flag, *map(str, v)]
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
+def run_main(module, **over):
+    """Run a stage in-process exactly as its command line would: module.main(flags)."""
+    return module.main(cli_args(**over))
+
+
+def main_defaults(module, entry):
+    """The keyword arguments module.main hands to module.<entry> when given no flags (the parser's defaults)."""
+    from unittest import mock
+    seen = {}
+    with mock.patch.object(module, entry, lambda **kw: seen.update(kw)):
+        module.main([])
+    return seen
+
+
+class FakeServer(FakeOpenAIServer):
+    """Serves scripted /v1/chat/completions replies. script items: str (200 reply) or int (that HTTP status)."""
+
+    def __init__(self, script, default=None):
+        self.script, self.default = list(script), default
+        self.requests = []
+        self.lock = threading.Lock()
+        super().__init__()
+
+    def answer(self, path, body):
+        with self.lock:
+            self.requests.append({"path": path, "body": body})
+            item = self.script.pop(0) if self.script else self.default
+        if isinstance(item, int):
+            return item, {"error": "scripted failure"}
+        return 200, {"choices": [{"message": {"role": "assistant", "content": item}}]}
+
+
+def run_py(*argv, timeout=90):
+    r = subprocess.run([sys.executable, *map(str, argv)], cwd=REPO, env=sub_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, f"{argv[:1]} exited {r.returncode}:\n{r.stderr[-3000:]}"
+    return r
+
+
+# an inline task in tau2's shape, for LLM-user tests
+TASK = {
+    "id": "inline-0",
+    "user_scenario": {"instructions": {
+        "domain": "retail",
+        "reason_for_call": "You want to cancel order #W0000001 because you no longer need it.",
+        "known_info": "You are Ada Lovelace in zip code 10001.",
+        "unknown_info": None,
+        "task_instructions": "You are polite and brief.",
+    }},
+    "evaluation_criteria": {"actions": [], "communicate_info": []},
+}
+
+
+def backend_for(srv, **kw):
+    kw = {"timeout": 5, "max_retries": 2, "backoff": 0.01, **kw}
+    from rollout import OpenAIChatBackend
+    return OpenAIChatBackend(srv.url, "fake-user-model", **kw)

