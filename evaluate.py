@@ -26,7 +26,8 @@ from math import comb
 import torch
 
 import env
-from rollout import HFGenerator, VLLMGenerator, load_model, make_user_factory, resolve_checkpoint, run_episodes
+from rollout import (HFGenerator, VLLMGenerator, load_model, make_user_factory, resolve_checkpoint, run_episodes,
+                     set_thinking)
 
 
 def pass_hat_k(outcomes, k):
@@ -108,6 +109,8 @@ def main(argv=None):
                    default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
                    help="name=path (a run folder, a checkpoint or a hub id); default: the demo's four rows")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the agent's sampler")
+    g.add_argument("--thinking", default=None, choices=["on", "off"], 
+                   help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and test_tasks.jsonl")
     g.add_argument("--tasks", default=None, help="any tau2 tasks.json / our JSONL (default: the generated test split)")
@@ -133,7 +136,7 @@ def main(argv=None):
     return run(**vars(p.parse_args(argv)))
 
 
-def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
+def run(*, models, backend, thinking, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
         max_len, seed, user, user_model, user_guidelines, out):
     """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
     torch.manual_seed(seed)
@@ -146,6 +149,7 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     results = {}
     for name, path in parse_models(models).items():
         model, tok = load_model(path, device=device)
+        set_thinking(tok, thinking)
         gen = VLLMGenerator(resolve_checkpoint(path), tok) if backend == "vllm" else HFGenerator(model, tok)
         eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
                              max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature)

@@ -39,7 +39,7 @@ from tqdm import tqdm
 import env
 from rollout import (HFGenerator, VLLMGenerator, all_reduce_max, all_reduce_sum, autocast, load_model,
                      logprobs_from_logits, make_user_factory, open_metrics, pad_batch, resolve_checkpoint,
-                     run_episodes, save_checkpoint, setup_distributed, unwrap)
+                     run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap)
 
 
 def main(argv=None):
@@ -51,6 +51,8 @@ def main(argv=None):
     g = p.add_argument_group("model")
     g.add_argument("--model", default="out/sft", help="an sft.py run folder, a checkpoint folder or a hub id")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the rollout sampler")
+    g.add_argument("--thinking", default=None, choices=["on", "off"], 
+                   help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
     g = p.add_argument_group("rollout")
     g.add_argument("--batch-tasks", type=int, default=8, help="B: tasks per step (global)")
     g.add_argument("--group", type=int, default=8, help="G: rollouts per task")
@@ -83,7 +85,7 @@ def main(argv=None):
     return train(**vars(p.parse_args(argv)))
 
 
-def train(*, model, out, data_dir, tasks, db, backend, steps, batch_tasks, group, temperature, max_turns,
+def train(*, model, out, data_dir, tasks, db, backend, thinking, steps, batch_tasks, group, temperature, max_turns,
           max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines, lr, clip, beta, mean_only,
           ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb):
     """The GRPO loop. -> (policy, tokenizer)."""
@@ -93,6 +95,7 @@ def train(*, model, out, data_dir, tasks, db, backend, steps, batch_tasks, group
     os.makedirs(out, exist_ok=True)
     resuming = resume and os.path.isfile(os.path.join(out, "latest"))
     policy, tok = load_model(out if resuming else model, device=device)
+    set_thinking(tok, thinking)
     ref = None
     if beta > 0:  # the reference is the starting policy (--model), frozen, also when resuming
         ref = (load_model(model, device=device)[0] if resuming else copy.deepcopy(policy))

@@ -13,10 +13,21 @@ both go through `render` and `template_diff`, so the training masks of the two s
 
 Token-in, token-out. An episode's `ids` are exactly what the policy sampled plus what the chat template
 adds for every other turn (system, user, tool). We never decode and re-tokenize the conversation:
-after each agent turn the next tool or user message is appended as the *text the template adds for it*
-(render the conversation with and without the new message; the longer one must extend the shorter),
+after each agent turn the next tool or user message is appended as the *text the template adds for it*,
 tokenized on its own. `loss_mask` is 1 exactly on sampled positions, the end-of-turn token included,
 and it is built from positions, never by looking at token values (pad may equal eos).
+
+Templates that rewrite history. Qwen3's template renders an empty `<think>\n\n</think>\n\n` on the last
+assistant turn only and drops the reasoning of turns before the last user query, so a conversation's text is
+not a prefix of its own extension. We therefore never re-render the history: the text for new messages comes
+from rendering them after a fixed stand-in exchange (`template_diff`), and an assistant turn's text is the
+template's rendering of that message as the newest turn (`agent_text`: what a thinking model samples, think
+block included). The episode keeps every token the policy sampled, earlier reasoning included, which is the
+context the policy actually saw and the one its log-probs were computed in. The price: the same conversation
+rendered fresh by the template at inference (e.g. by a chat API that applies Qwen3's template) shows earlier
+turns without their reasoning, a context the policy was trained on only for its latest turn. SFT data goes
+through the same two functions, so a conversation encoded for SFT has exactly the ids of a rollout that
+sampled the same text.
 
 Tool calls use the Hermes / Qwen2.5 / Qwen3 format: <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
 Every call in one assistant message is executed, in order, each answered by its own tool message
@@ -101,6 +112,14 @@ def load_model(path, dtype=torch.float32, device="cpu"):
     return model, tok
 
 
+def set_thinking(tok, thinking):
+    """Qwen3-style templates: "on" or "off" passes enable_thinking to every render; None keeps the template's
+    default (Qwen3: thinking on). Off, the generation prompt already holds an empty think block."""
+    if thinking is not None:
+        tok.template_kwargs = {"enable_thinking": thinking == "on"}
+    return tok
+
+
 def unwrap(model):
     """The model inside a DistributedDataParallel wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model
@@ -144,9 +163,10 @@ def chatml_template(signatures=False):
 
 
 def render(tok, messages, tools=None, add_generation_prompt=False):
-    """The chat template's text for `messages` (and the tool schemas, which templates put in the system turn)."""
-    return tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                   add_generation_prompt=add_generation_prompt)
+    """The chat template's text for `messages` (and the tool schemas, which templates put in the system turn).
+    `tok.template_kwargs` (set by load_model, e.g. {"enable_thinking": False} for Qwen3) reach the template."""
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                   **(getattr(tok, "template_kwargs", None) or {}))
 
 
 def end_of_turn(tok):
@@ -158,20 +178,47 @@ def encode(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def template_diff(tok, before, new_messages, tools=None):
-    """Text the template adds after the agent's end-of-turn token when `new_messages` (tool results, a user turn)
-    follow `before` (which ends with an assistant message), up to and including the next generation prompt."""
-    old = render(tok, before, tools, add_generation_prompt=False)
-    new = render(tok, before + new_messages, tools, add_generation_prompt=True)
-    assert new.startswith(old), "chat template is not prefix-stable: adding a message changed earlier text"
+# A stand-in exchange that the new messages are rendered after (see the module docstring): a user turn, then an
+# assistant turn whose text no template rewrites. Nothing of it is ever tokenized.
+STAND_IN = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "MUA-RL stand-in turn."}]
+
+
+def template_diff(tok, new_messages, tools=None):
+    """Text the template adds after an agent turn's end-of-turn token when `new_messages` (tool results, a user
+    turn) follow it, up to and including the next generation prompt.
+
+    Rendered after STAND_IN rather than after the real history: templates such as Qwen3's rewrite earlier turns
+    when messages are appended (they drop old reasoning, and show an empty think block on the last assistant
+    turn only), so the real history's text is not a prefix of its own extension. What a template adds for the
+    *new* messages depends only on those messages and on following an assistant turn, which STAND_IN provides."""
+    text = render(tok, STAND_IN + new_messages, tools, add_generation_prompt=True)
     eot = end_of_turn(tok)
-    cut = old.rindex(eot) + len(eot)  # the policy's own tokens end at its end-of-turn token
-    return new[cut:]
+    at = text.find(STAND_IN[-1]["content"])
+    end = text.find(eot, at) if at >= 0 else -1
+    first = new_messages[0].get("content") or ""  # the assistant turn must end before the next message starts
+    if end < 0 or (first and 0 <= text.find(first, at) < end):
+        raise ValueError(f"chat template of {tok.name_or_path or type(tok).__name__}: cannot find the end of an "
+                         f"assistant turn ({eot!r}) before a {new_messages[0]['role']!r} message, so the tokens "
+                         "between agent turns cannot be told apart from the agent's")
+    return text[end + len(eot):]
+
+
+def agent_text(tok, message, tools=None):
+    """What the policy samples for an assistant `message`: the template's text for it as the newest turn, after
+    the generation prompt, through its end-of-turn token (for Qwen3: the think block, the reply, the tool calls)."""
+    prompt = render(tok, STAND_IN[:1], tools, add_generation_prompt=True)
+    full = render(tok, STAND_IN[:1] + [message], tools)
+    eot = end_of_turn(tok)
+    if not full.startswith(prompt) or eot not in full[len(prompt):]:
+        raise ValueError(f"chat template of {tok.name_or_path or type(tok).__name__}: an 'assistant' message does "
+                         f"not render as the generation prompt followed by the reply and {eot!r}")
+    text = full[len(prompt):]
+    return text[:text.rindex(eot) + len(eot)]
 
 
 def encode_conversation(tok, messages, tools=None):
-    """ids and loss mask of a finished conversation, built exactly as a rollout would have built it.
-    Assistant turns (content, tool calls, end-of-turn) get mask 1; everything else 0."""
+    """ids and loss mask of a finished conversation, built exactly as a rollout that sampled its assistant turns
+    would have built it. Assistant turns (reasoning, content, tool calls, end-of-turn) get mask 1; else 0."""
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
         raise ValueError("a conversation to train on needs at least one assistant message")
@@ -179,18 +226,12 @@ def encode_conversation(tok, messages, tools=None):
     mask = [0] * len(ids)
     i = first
     while i < len(messages):
-        before = render(tok, messages[:i], tools, add_generation_prompt=True)
-        full = render(tok, messages[:i + 1], tools, add_generation_prompt=False)
-        assert full.startswith(before), "chat template is not prefix-stable"
-        agent = full[len(before):]
-        eot = end_of_turn(tok)
-        agent = agent[:agent.rindex(eot) + len(eot)]  # what the policy would have sampled
-        agent_ids = encode(tok, agent)
+        agent_ids = encode(tok, agent_text(tok, messages[i], tools))
         ids += agent_ids
         mask += [1] * len(agent_ids)
         j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
         if j < len(messages):  # the turns between two agent turns, as the rollout appends them
-            diff_ids = encode(tok, template_diff(tok, messages[:i + 1], messages[i + 1:j], tools))
+            diff_ids = encode(tok, template_diff(tok, messages[i + 1:j], tools))
             ids += diff_ids
             mask += [0] * len(diff_ids)
         i = j
@@ -205,7 +246,13 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
 def parse_assistant(text):
     """Assistant text -> OpenAI-style message. Calls that cannot be parsed are kept with an `error` so the
-    agent is told what was wrong instead of the episode crashing."""
+    agent is told what was wrong instead of the episode crashing. Reasoning (thinking mode: text before
+    `</think>`) becomes `reasoning_content`, split as Qwen3's template splits it; calls inside it are not
+    made, and the user simulator never sees it."""
+    reasoning = None
+    if "</think>" in text:
+        reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+        text = text.split("</think>")[-1].lstrip("\n")
     calls = []
     for body in TOOL_CALL.findall(text):
         call = {"type": "function", "function": {"name": "", "arguments": {}}}
@@ -223,6 +270,8 @@ def parse_assistant(text):
         calls.append(call)
     content = TOOL_CALL.sub("", text).strip()
     msg = {"role": "assistant", "content": content}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
     if calls:
         msg["tool_calls"] = calls
     return msg
@@ -556,7 +605,7 @@ def _add_turns(ep, tok, new_messages, tools, max_tokens):
     if tok is None:  # a text-only episode
         ep.messages += new_messages
         return
-    diff = encode(tok, template_diff(tok, ep.messages, new_messages, tools))
+    diff = encode(tok, template_diff(tok, new_messages, tools))
     ep.messages += new_messages
     if len(ep.ids) + len(diff) >= max_tokens:
         ep.end_reason = ep.end_reason or "max_tokens"

