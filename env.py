@@ -892,6 +892,15 @@ def guidelines_beside(tasks_path):
     return str(p) if p.is_file() else None
 
 
+def policy_beside(tasks_path):
+    """tau2's domain policy where tau2's data layout puts it, next to the tasks file
+    (<data>/retail/tasks.json -> <data>/retail/policy.md), or None."""
+    if not tasks_path:
+        return None
+    p = Path(tasks_path).resolve().parent / "policy.md"
+    return str(p) if p.is_file() else None
+
+
 def scenario_text(task):
     """The task's user_scenario as plain text. Accepts tau2 dict instructions or a plain string."""
     scenario = task.get("user_scenario") or {}

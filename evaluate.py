@@ -16,7 +16,8 @@ sampled trials (--temperature 1) bounds what RL can reach by sharpening the poli
 greedily by default (tau-bench's default), so trials differ through the user simulator: the scripted user draws
 its wording from the trial's seed. Episodes whose user simulator failed are left out of n (and counted).
 By default the reward also checks the information the agent had to communicate (`communicate_info`), as
-tau-bench's evaluation does; --db-only scores the database alone, as training does.
+tau-bench's evaluation does; --db-only scores the database alone, as training does. On tau2's tasks the agent's
+system prompt holds tau2's domain policy (--policy, default: the policy.md beside --tasks), as tau2's agent has it.
 Prints a markdown table (overall and per task kind) and writes every transcript to JSONL. An http(s) URL in
 --models is an OpenAI-compatible endpoint playing the agent. --bench bfcl: see the fenced section at the bottom.
 """
@@ -33,7 +34,7 @@ from math import comb
 import torch
 
 import env
-from rollout import ChatAgent, load_agent, make_user_factory, run_episodes
+from rollout import ChatAgent, agent_system_prompt, load_agent, make_user_factory, run_episodes
 
 
 def pass_hat_k(outcomes, k):
@@ -52,13 +53,13 @@ def pass_at_k(outcomes, k):
 
 
 def evaluate_model(gen, tok, tasks, db, make_user, *, k, seed, db_only, max_turns, max_len, max_new_tokens,
-                   temperature, make_agent=None):
+                   temperature, system_prompt, make_agent=None):
     """Play k trials of every task; -> episodes. Trials differ through the sampling seed and the user's seed."""
     eps = []
     for trial in range(k):
-        eps += run_episodes(gen, tok, tasks, db, make_user, max_turns=max_turns, max_tokens=max_len,
-                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + 1000 * trial,
-                            check_communicate=not db_only, make_agent=make_agent)
+        eps += run_episodes(gen, tok, tasks, db, make_user, system_prompt=system_prompt, max_turns=max_turns,
+                            max_tokens=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
+                            seed=seed + 1000 * trial, check_communicate=not db_only, make_agent=make_agent)
     return eps
 
 
@@ -150,6 +151,8 @@ def main(argv=None):
     g.add_argument("--tasks", default=None, help="any tau2 tasks.json / our JSONL (default: the generated test split)")
     g.add_argument("--db", default=None, help="the db.json the --tasks run on (default: <data-dir>/shop.json)")
     g.add_argument("--n-tasks", type=int, default=None, help="only the first n tasks")
+    g.add_argument("--policy", dest="policy_file", default=None, help="the agent's domain policy (default: "
+                   "policy.md beside --tasks, if there; 'none': the generated shop's short prompt)")
     g = p.add_argument_group("data (bfcl)")
     g.add_argument("--categories", nargs="+", default=None, help="with or without 'multi_turn_' (default: all four)")
     g.add_argument("--n", type=int, default=None, help="only the first n entries of each category (of 200)")
@@ -183,13 +186,14 @@ def main(argv=None):
 
 
 def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
-        max_len, seed, user, user_model, user_guidelines, out, agent_model=None):
+        max_len, seed, user, user_model, user_guidelines, out, agent_model=None, policy_file=None):
     """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
     out, max_turns = out or "out/eval", max_turns or 16
     torch.manual_seed(seed)
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
     test = env.load_tasks(tasks or os.path.join(data_dir, "test_tasks.jsonl"))[:n_tasks]
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks))
+    system_prompt = agent_system_prompt(policy_file, tasks)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(out, exist_ok=True)
     ks = list(range(1, k + 1))
@@ -200,7 +204,7 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
                                              temperature=temperature)
         eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
                              max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
-                             make_agent=make_agent)
+                             system_prompt=system_prompt, make_agent=make_agent)
         for ep, agent in zip(eps, agents):  # an endpoint that failed says nothing about the model: left out
             if agent.error:
                 ep.errored, ep.end_reason = True, "agent_error"

@@ -53,6 +53,21 @@ SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every 
     "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
 )
 
+
+def agent_system_prompt(policy=None, tasks=None):
+    """The agent's system prompt. With a domain policy file (`policy`, else tau2's policy.md beside the `tasks`
+    file) the policy is read into it, as tau2's agent gets it (the wording around it is ours); with none, or with
+    policy "none", it is SYSTEM_PROMPT, the generated shop's short prompt."""
+    policy = None if policy == "none" else policy or env.policy_beside(tasks)
+    if policy is None:
+        return SYSTEM_PROMPT
+    if not Path(policy).is_file():
+        raise FileNotFoundError(f"policy file {policy} not found")
+    return ("You are a customer service agent. Help the user according to the policy below: use the tools to look "
+            "things up and to make changes, and in each turn either write to the user or call tools.\n\n"
+            f"<policy>\n{Path(policy).read_text().strip()}\n</policy>")
+
+
 # ----------------------------------------------------------------------------------------------------
 # models and checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
 
