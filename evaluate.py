@@ -242,7 +242,7 @@ def bfcl():
             from bfcl_eval.constants import default_prompts, type_mappings
             from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker, multi_turn_utils
         except ImportError as e:
-            raise SystemExit(f"--bench bfcl needs bfcl-eval ({e.name} is missing): {BFCL_INSTALL}") from None
+            raise SystemExit(f"--bench bfcl needs bfcl-eval ({e.name or e} is missing): {BFCL_INSTALL}") from None
         _bfcl.update(utils=utils, prompts=default_prompts, types=type_mappings.GORILLA_TO_OPENAPI,
                      checker=multi_turn_checker.multi_turn_checker, exec_utils=multi_turn_utils)
     return _bfcl

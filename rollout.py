@@ -795,7 +795,8 @@ class ChatAgent:
             return ""
         tools = self.tools() if callable(self.tools) else self.tools
         try:
-            return self.backend.chat([messages], self.max_new_tokens, self.temperature, self.seed, tools=tools)[0]
+            seed = (self.seed + len(messages)) % 2**31  # a new one each turn, as the LLM user's; fits any API
+            return self.backend.chat([messages], self.max_new_tokens, self.temperature, seed, tools=tools)[0]
         except env.UserSimError as e:
             self.error = str(e)
             return ""
