@@ -892,6 +892,15 @@ def guidelines_beside(tasks_path):
     return str(p) if p.is_file() else None
 
 
+def policy_beside(tasks_path):
+    """tau2's domain policy where tau2's data layout puts it, next to the tasks file
+    (<data>/retail/tasks.json -> <data>/retail/policy.md), or None."""
+    if not tasks_path:
+        return None
+    p = Path(tasks_path).resolve().parent / "policy.md"
+    return str(p) if p.is_file() else None
+
+
 def scenario_text(task):
     """The task's user_scenario as plain text. Accepts tau2 dict instructions or a plain string."""
     scenario = task.get("user_scenario") or {}
@@ -947,6 +956,26 @@ def clean_reply(text, max_chars=2000):
 
 
 # --- the user
+
+class ReplayUser:
+    """Says a fixed list of user turns in order, whatever the agent says: a benchmark's recorded turns (BFCL's,
+    in evaluate.py). start() is turns[0], each respond() the next one; after the last the user stops."""
+
+    def __init__(self, turns):
+        self.turns, self.turn = list(turns), 0
+        self.done, self.end_reason, self.error = False, None, None
+
+    def start(self):
+        self.turn = 0
+        return self.turns[0]
+
+    def respond(self, agent_text):
+        if self.turn + 1 >= len(self.turns):
+            self.done, self.end_reason = True, "user_stop"
+            return STOP
+        self.turn += 1
+        return self.turns[self.turn]
+
 
 class LLMUser:
     def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2,

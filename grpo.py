@@ -37,8 +37,8 @@ import torch
 from tqdm import tqdm
 
 import env
-from rollout import (HFGenerator, VLLMGenerator, all_reduce_max, all_reduce_sum, autocast, load_model,
-                     logprobs_from_logits, make_user_factory, open_metrics, pad_batch, resolve_checkpoint,
+from rollout import (HFGenerator, VLLMGenerator, agent_system_prompt, all_reduce_max, all_reduce_sum, autocast,
+                     load_model, logprobs_from_logits, make_user_factory, open_metrics, pad_batch, resolve_checkpoint,
                      run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap)
 
 
@@ -48,6 +48,9 @@ def main(argv=None):
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and train_tasks.jsonl")
     g.add_argument("--tasks", default=None, help="or any tau2 tasks.json / our JSONL (with --db)")
     g.add_argument("--db", default=None, help="the db.json the --tasks run on")
+    g.add_argument("--policy", dest="policy_file", default=None,
+                   help="domain policy for the agent's system prompt (default: policy.md beside --tasks, if there; "
+                        "'none': the generated shop's short prompt)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="out/sft", help="an sft.py run folder, a checkpoint folder or a hub id")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the rollout sampler")
@@ -85,9 +88,9 @@ def main(argv=None):
     return train(**vars(p.parse_args(argv)))
 
 
-def train(*, model, out, data_dir, tasks, db, backend, thinking, steps, batch_tasks, group, temperature, max_turns,
-          max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines, lr, clip, beta, mean_only,
-          ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb):
+def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, steps, batch_tasks, group, temperature,
+          max_turns, max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines, lr, clip, beta,
+          mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb):
     """The GRPO loop. -> (policy, tokenizer)."""
     config = dict(locals())
     rank, world, device = setup_distributed()
@@ -115,8 +118,9 @@ def train(*, model, out, data_dir, tasks, db, backend, thinking, steps, batch_ta
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
     train_tasks = env.load_tasks(tasks or os.path.join(data_dir, "train_tasks.jsonl"))
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks))
+    # on tau2's tasks the agent gets tau2's domain policy, as in evaluation (evaluate.py) and in tau2 itself
     episode_kw = dict(max_turns=max_turns, max_tokens=max_len, max_new_tokens=max_new_tokens,
-                      temperature=temperature)
+                      temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks))
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(wandb, config) if rank == 0 else None
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")

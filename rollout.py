@@ -64,6 +64,21 @@ SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every 
     "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
 )
 
+
+def agent_system_prompt(policy=None, tasks=None):
+    """The agent's system prompt. With a domain policy file (`policy`, else tau2's policy.md beside the `tasks`
+    file) the policy is read into it, as tau2's agent gets it (the wording around it is ours); with none, or with
+    policy "none", it is SYSTEM_PROMPT, the generated shop's short prompt."""
+    policy = None if policy == "none" else policy or env.policy_beside(tasks)
+    if policy is None:
+        return SYSTEM_PROMPT
+    if not Path(policy).is_file():
+        raise FileNotFoundError(f"policy file {policy} not found")
+    return ("You are a customer service agent. Help the user according to the policy below: use the tools to look "
+            "things up and to make changes, and in each turn either write to the user or call tools.\n\n"
+            f"<policy>\n{Path(policy).read_text().strip()}\n</policy>")
+
+
 # ----------------------------------------------------------------------------------------------------
 # models and checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
 
@@ -118,6 +133,18 @@ def set_thinking(tok, thinking):
     if thinking is not None:
         tok.template_kwargs = {"enable_thinking": thinking == "on"}
     return tok
+
+
+def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None):
+    """The agent a spec names -> (gen, tok, chat): a checkpoint gives a sampler (HFGenerator, or VLLMGenerator
+    with backend "vllm") and its tokenizer, for token-in/token-out episodes; an http(s) URL gives an
+    OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent."""
+    if spec.startswith(("http://", "https://")):
+        return None, None, chat_backend(spec, endpoint_model)
+    model, tok = load_model(spec, device=device)
+    set_thinking(tok, thinking)
+    gen = VLLMGenerator(resolve_checkpoint(spec), tok) if backend == "vllm" else HFGenerator(model, tok)
+    return gen, tok, None
 
 
 def unwrap(model):
@@ -524,17 +551,24 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
     `make_user(task, seed)` builds one user simulator; `call_tool(db, name, args)` may be swapped for an MCP
     client or an LLM that simulates tools. With `make_agent(task, seed)` (an object whose act(messages)
     returns the agent's text, e.g. synth.py's oracle or a teacher LLM) instead of `gen`/`tok`, the same loop
-    plays text-only episodes (no token ids)."""
+    plays text-only episodes (no token ids).
+    A benchmark whose entries bring their own functions and state (BFCL, in evaluate.py) passes `tools` and
+    `db` as functions of the task (the episode's schemas; the episode's state, handed to call_tool as is) and
+    score=False; system_prompt=None starts the conversation at the user's first message."""
+    tools_of = tools if callable(tools) else (lambda task: tools)
     # every episode gets its own copy of the db (canonical_db is a deep copy, several times faster than deepcopy)
-    eps = [Episode(task_id=str(t["id"]), messages=[], kind=t.get("kind", ""), db=env.canonical_db(db)) for t in tasks]
+    eps = [Episode(task_id=str(t["id"]), messages=[], kind=t.get("kind", ""),
+                   db=db(t) if callable(db) else env.canonical_db(db)) for t in tasks]
+    ep_tools = [tools_of(t) for t in tasks]
     if hasattr(gen, "kv"):
         gen.kv = {}  # caches from an earlier call may come from older weights
     users = [make_user(t, seed * 100003 + i) for i, t in enumerate(tasks)]
     agents = [make_agent(t, seed * 100003 + i) for i, t in enumerate(tasks)] if make_agent else None
-    for ep, first in zip(eps, env.start_all(users)):
-        ep.messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": first}]
+    for ep, first, ts in zip(eps, env.start_all(users), ep_tools):
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        ep.messages = system + [{"role": "user", "content": first}]
         if tok:
-            _append(ep, encode(tok, render(tok, ep.messages, tools, add_generation_prompt=True)), 0)
+            _append(ep, encode(tok, render(tok, ep.messages, ts, add_generation_prompt=True)), 0)
     _check_users(eps, users, range(len(eps)))
     eot = end_of_turn(tok) if tok else ""
     for step in range(max_turns):
@@ -542,7 +576,7 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         if not live:
             break
         if agents:
-            outs = [(agents[i].act(eps[i].messages) + eot, None) for i in live]
+            outs = [(text + eot, None) for text in act_all([agents[i] for i in live], [eps[i].messages for i in live])]
         else:
             outs = gen.generate([eps[i].ids for i in live], max_new_tokens, temperature, top_p,
                                 seed=seed * 7919 + step, cache_keys=live)
@@ -564,7 +598,7 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
                 results, errors, transferred = execute_calls(ep.db, msg, call_tool)
                 ep.tool_calls += len(results)
                 ep.tool_errors += errors
-                _add_turns(ep, tok, results, tools, max_tokens)
+                _add_turns(ep, tok, results, ep_tools[i], max_tokens)
                 ep.end_reason = ep.end_reason or ("transfer" if transferred else "")
             else:
                 to_user.append(i)
@@ -573,7 +607,7 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
             if users[i].done:  # the user's last words end the episode; no more tokens are needed
                 eps[i].messages.append({"role": "user", "content": reply})
             else:
-                _add_turns(eps[i], tok, [{"role": "user", "content": reply}], tools, max_tokens)
+                _add_turns(eps[i], tok, [{"role": "user", "content": reply}], ep_tools[i], max_tokens)
         _check_users(eps, users, to_user)
     for ep in eps:
         ep.end_reason = ep.end_reason or "max_turns"
@@ -584,6 +618,15 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
                 gold[id(task)] = env.db_hash(env.gold_db(task, db))
             score_episode(ep, task, db, check_communicate, gold.get(id(task)))
     return eps
+
+
+def act_all(agents, histories, max_workers=16):
+    """The next turn of each text-only agent. Agents that wait on a remote endpoint (`remote` true, e.g. a
+    ChatAgent on an OpenAI-compatible server) are asked concurrently; any other agent acts in turn."""
+    if not all(getattr(a, "remote", False) for a in agents) or len(agents) < 2:
+        return [a.act(h) for a, h in zip(agents, histories)]
+    with concurrent.futures.ThreadPoolExecutor(min(len(agents), max_workers)) as pool:
+        return list(pool.map(lambda a, h: a.act(h), agents, histories))
 
 
 def score_episode(ep, task, initial_db, check_communicate=False, gold_hash=None):
@@ -783,6 +826,30 @@ def chat_backend(spec, model_name=None):
     if spec == "smollm2":
         spec = load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
     return HFChatBackend.from_pretrained(spec)
+
+
+class ChatAgent:
+    """An LLM behind a chat backend plays the agent (run_episodes' make_agent): it sees the conversation and the
+    tool schemas (`tools`: a list, or a function returning the schemas of the moment), and its tool calls come
+    back as Hermes <tool_call> text. A backend that fails for good (after its own retries) ends this agent's
+    turns with empty replies and is kept in `error`, so one bad conversation cannot stop a whole evaluation."""
+
+    def __init__(self, backend, tools, max_new_tokens=1024, temperature=0.0, seed=0):
+        self.backend, self.tools = backend, tools
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.remote = isinstance(backend, OpenAIChatBackend)  # act_all asks remote agents concurrently
+        self.error = None
+
+    def act(self, messages):
+        if self.error:
+            return ""
+        tools = self.tools() if callable(self.tools) else self.tools
+        try:
+            seed = (self.seed + len(messages)) % 2**31  # a new one each turn, as the LLM user's; fits any API
+            return self.backend.chat([messages], self.max_new_tokens, self.temperature, seed, tools=tools)[0]
+        except env.UserSimError as e:
+            self.error = str(e)
+            return ""
 
 
 def make_user_factory(spec=None, model_name=None, guidelines=None, **llm_user_kw):

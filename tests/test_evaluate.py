@@ -1,8 +1,12 @@
-"""evaluate.py: pass^k and pass@k by hand, evaluation of generated tasks with the scripted user, and of tau2 tasks
-with an LLM user behind a fake OpenAI-compatible endpoint (including one that fails)."""
+"""evaluate.py: pass^k and pass@k by hand, evaluation of generated tasks with the scripted user, of tau2 tasks
+with an LLM user behind a fake OpenAI-compatible endpoint (including one that fails) and tau2's policy in the agent's
+system prompt, and BFCL v3 multi-turn (--bench bfcl) through bfcl-eval's own backends and checker."""
 
+import ast
 import functools
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import pytest
 import env
 import evaluate
 import rollout
+import sft
 import util
 from util import read_jsonl, run_main, run_py
 
@@ -159,3 +164,351 @@ def test_evaluate_failing_user_endpoint_all(world, tmp_path, fake_server, monkey
     a = res["sft"]["all"]
     assert a["errored"] == 4 and a["n"] == 0
     assert a["pass^1"] is None and a["pass^2"] is None  # no trials: nothing to average, not 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# --bench bfcl: BFCL v3's multi-turn categories through rollout.run_episodes, calls run in bfcl-eval's
+# backends, scored by bfcl-eval's multi_turn_checker (skipped where bfcl-eval is not installed)
+
+
+INSTALL = "pip install --no-deps -r requirements-bfcl.txt"
+
+
+needs_bfcl = pytest.mark.skipif(importlib.util.find_spec("bfcl_eval") is None,
+                                reason=f"bfcl-eval is not installed ({INSTALL})")
+
+
+KW = dict(max_turns=100, max_len=0, max_new_tokens=0, temperature=0.0, seed=0)  # text-only agents: no tokens
+
+
+@pytest.fixture(scope="module")
+def entries():
+    return evaluate.bfcl_entries(evaluate.BFCL_CATEGORIES)
+
+
+def gold_call(text, docs):
+    """A gold call string 'f(a=1)' (some gold calls pass their one argument by position) -> our parsed call."""
+    node = ast.parse(text, mode="eval").body
+    params = list(docs[node.func.id]["parameters"]["properties"])
+    args = {params[i]: ast.literal_eval(a) for i, a in enumerate(node.args)}
+    args.update({k.arg: ast.literal_eval(k.value) for k in node.keywords})
+    return {"name": node.func.id, "arguments": args}
+
+
+class GoldAgent:
+    """Answers each user turn with its gold calls as Hermes <tool_call> text (all in one message), then ends the
+    turn in words. `drop_last` leaves out the last call of every turn that has calls (a wrong agent)."""
+
+    def __init__(self, world, drop_last=False):
+        self.world, self.drop_last = world, drop_last
+        held = world.entry.get("missed_function", {}).values()
+        self.docs = {d["name"]: d for d in world.entry["function"]} | {d["name"]: d for ds in held for d in ds}
+
+    def act(self, messages):
+        calls = self.world.entry["ground_truth"][self.world.user.turn]
+        if messages[-1]["role"] != "user" or not calls:
+            return "Done."
+        calls = calls[:-1] if self.drop_last else calls
+        return "".join(f"<tool_call>{json.dumps(gold_call(c, self.docs))}</tool_call>" for c in calls) or "Done."
+
+
+def play_gold(entries, run_name, drop_last=False):
+    eps, worlds = evaluate.bfcl_play(None, None, entries, run_name=run_name, batch=1000,
+                                     make_agent=lambda t, s: GoldAgent(t["world"], drop_last), **KW)
+    return eps, worlds, evaluate.bfcl_score(eps, worlds, run_name)
+
+
+@needs_bfcl
+def test_gold_answers_pass_every_entry(entries):
+    """The gold calls of all 800 entries, played through our adapter (parsed as our tool calls, executed as call
+    strings built from them, read back from the transcript), pass bfcl-eval's checker: 200/200 per category."""
+    eps, worlds, rows = play_gold(entries, "gold")
+    summary = evaluate.bfcl_summary(eps, rows, evaluate.BFCL_CATEGORIES)
+    failed = [(ep.task_id, r["error_type"], r["error_message"]) for ep, r in zip(eps, rows) if not r["valid"]]
+    assert failed == []
+    assert all(summary[c] == {"n": 200, "correct": 200, "accuracy": 1.0} for c in evaluate.BFCL_CATEGORIES)
+    assert summary["overall"]["accuracy"] == 1.0
+    assert sum(ep.tool_errors for ep in eps) == 0 and all(ep.end_reason == "user_stop" for ep in eps)
+    # the checker got BFCL's format: per turn, per step, call strings; here one step per turn with gold calls
+    for ep, w, r in zip(eps[:50], worlds, rows):
+        assert [len(steps) for steps in r["decoded"]] == [int(bool(g)) for g in w.entry["ground_truth"]]
+
+
+@needs_bfcl
+def test_wrong_calls_fail_the_checker(entries):
+    """A control: the same gold agent leaving out the last call of every turn fails (almost) every entry."""
+    eps, _, rows = play_gold(entries[:20], "gold_short", drop_last=True)
+    assert sum(r["valid"] for r in rows) <= 2
+    assert {r["error_type"] for r in rows if not r["valid"]} <= {"multi_turn:instance_state_mismatch",
+                                                                 "multi_turn:execution_response_mismatch",
+                                                                 "multi_turn:empty_turn_model_response"}
+
+
+@needs_bfcl
+def test_replaying_again_starts_from_the_initial_state(entries):
+    """bfcl-eval caches backend instances by model name and entry id; a second run under the same name must not
+    see the first run's files, orders or cars."""
+    for _ in range(2):
+        _, _, rows = play_gold(entries[:10], "again")
+        assert all(r["valid"] for r in rows)
+
+
+class ScriptAgent:
+    """Says the texts of a list in turn, then 'Done.'."""
+
+    def __init__(self, texts):
+        self.texts = list(texts)
+
+    def act(self, messages):
+        return self.texts.pop(0) if self.texts else "Done."
+
+
+@needs_bfcl
+def test_bad_calls_become_error_results(entries):
+    """An unknown function, a bad argument name, non-object arguments, broken JSON, and a call that fails inside
+    the backend each get an error result, and the episode goes on; only calls that ran reach the checker."""
+    e = next(x for x in entries if x["involved_classes"] == ["GorillaFileSystem"])
+    call = lambda name, args: f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"  # noqa
+    texts = [call("rm_rf", {}) + call("__import__", {"name": "os"}), call("cd", {"folder name": "x"}),
+             call("cd", {"class": "x"}), call("cd", ["x"]), "<tool_call>{not json</tool_call>",
+             call("cd", {"folder": "no_such_dir"}), call("cd", {"nope": 1}), call("ls", {})]
+    eps, worlds = evaluate.bfcl_play(None, None, [e], run_name="bad", batch=1,
+                                     make_agent=lambda t, s: ScriptAgent(texts), **KW)
+    ep = eps[0]
+    results = [m["content"] for m in ep.messages if m["role"] == "tool"]
+    assert len(results) == 9 and ep.end_reason == "user_stop"
+    assert results[0].startswith("Error: unknown function 'rm_rf'") and "unknown function '__import__'" in results[1]
+    assert "'folder name' is not a valid argument name" in results[2] and "'class' is not" in results[3]
+    assert "must be a JSON object" in results[4] and "could not parse" in results[5]
+    assert "No such directory" in results[6] or "error" in results[6].lower()  # the backend's own answer
+    assert results[7].startswith("Error during execution")  # an unexpected keyword, caught by bfcl-eval
+    assert "current_directory_content" in results[8]
+    assert ep.tool_errors == 7
+    # only the calls that ran are the model's result, one step per message, in the first turn
+    decoded = evaluate.bfcl_score(eps, worlds, "bad")[0]["decoded"]
+    assert decoded[0] == [["cd(folder='no_such_dir')"], ["cd(nope=1)"], ["ls()"]]
+
+
+@needs_bfcl
+def test_call_strings_hold_only_literals():
+    """What reaches bfcl-eval's eval(): a known name and keyword arguments whose values are literals, whatever
+    the strings inside them say."""
+    evil = "x'); __import__('os').system('echo pwned'); ('"
+    s = evaluate.call_string("cd", {"folder": evil, "n": [1, 2.5, None, True, {"k": "v"}]}, {"cd"})
+    node = ast.parse(s, mode="eval").body
+    assert isinstance(node, ast.Call) and node.func.id == "cd" and not node.args
+    assert [k.arg for k in node.keywords] == ["folder", "n"]
+    assert ast.literal_eval(node.keywords[0].value) == evil
+    for name, args in [("os.system", {}), ("cd", {"a=1,b": 2}), ("cd", {"x": float("nan")}), ("cd", "x"),
+                       ("cd", {"x": type("S", (str,), {})("y")})]:
+        with pytest.raises(ValueError):
+            evaluate.call_string(name, args, {"cd"})
+
+
+@needs_bfcl
+def test_tool_schemas_use_json_schema_types(entries):
+    json_types = {"object", "string", "number", "integer", "boolean", "array", "null"}
+
+    def types(node):
+        if isinstance(node, dict):
+            return {v for k, v in node.items() if k == "type" and isinstance(v, str)} | {
+                t for v in node.values() for t in types(v)}
+        return {t for v in node for t in types(v)} if isinstance(node, list) else set()
+    world = evaluate.BFCLWorld(entries[0], "schema")
+    tool = world.shown[0]
+    assert set(tool) == {"type", "function"} and tool["type"] == "function"
+    assert set(tool["function"]) == {"name", "description", "parameters"}  # BFCL's "response" left out
+    assert tool["function"]["parameters"]["type"] == "object"
+    for e in entries[::50] + [x for x in entries if x.get("missed_function")][:5]:
+        w = evaluate.BFCLWorld(e, "schema")
+        assert types([t["function"]["parameters"] for t in w.shown + [s for ss in w.held.values() for s in ss]]) \
+            <= json_types
+
+
+@needs_bfcl
+def test_miss_func_turn_brings_the_held_out_docs(entries):
+    """The turn where held-out functions come back says so in BFCL's words: with the docs in the message for a
+    local model (its tools stay put), as new tools for an endpoint (BFCL's FC mode)."""
+    prompts = evaluate.bfcl()["prompts"]
+    e = next(x for x in entries if x.get("missed_function"))
+    turn = int(next(iter(e["missed_function"])))
+    held = [d["name"] for d in e["missed_function"][str(turn)]]
+    local = evaluate.BFCLWorld(e, "held")
+    text = local.user_turns()[turn]
+    assert text.endswith(prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC) and all(n in text for n in held)
+    local.user.turn = turn
+    assert [t["function"]["name"] for t in local.tools()] == [t["function"]["name"] for t in local.shown]
+    fc = evaluate.BFCLWorld(e, "held", fc=True)
+    assert fc.user_turns()[turn] == prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+    fc.user.turn = turn - 1
+    assert not set(held) & {t["function"]["name"] for t in fc.tools()}
+    fc.user.turn = turn
+    assert set(held) <= {t["function"]["name"] for t in fc.tools()}
+
+
+@pytest.fixture(scope="module")
+def bfcl_ckpt(tmp_path_factory, entries):
+    """A tiny random model whose tokenizer has seen a few BFCL turns with tool calls."""
+    convs = []
+    for e in entries[::100]:
+        w = evaluate.BFCLWorld(e, "tiny")
+        agent = GoldAgent(w)
+        msgs = [{"role": "user", "content": w.user_turns()[0]}, rollout.parse_assistant(agent.act(
+            [{"role": "user", "content": ""}])), {"role": "tool", "content": "{}"},
+            {"role": "assistant", "content": "Done."}]
+        convs.append({"messages": msgs, "tools": w.shown})
+    tok, model = sft.make_tiny(convs, 400, 32, 2, 2, seed=0)
+    return rollout.save_checkpoint(str(tmp_path_factory.mktemp("bfcl_tiny")), 0, model, tok)
+
+
+def eos_bonus(monkeypatch):
+    """A random model almost never ends its turn; a bonus on the end-of-turn logit makes it answer in a few
+    tokens, so an episode walks through all of its entry's user turns."""
+    real = evaluate.load_agent
+
+    def load(*a, **kw):
+        gen, tok, chat = real(*a, **kw)
+        eos = tok.eos_token_id
+
+        def hook(module, inputs, out):
+            out = out.clone()
+            out[..., eos] += 6.0
+            return out
+        gen.model.lm_head.register_forward_hook(hook)
+        return gen, tok, chat
+    monkeypatch.setattr(evaluate, "load_agent", load)
+
+
+@needs_bfcl
+def test_tiny_model_plays_every_category(bfcl_ckpt, tmp_path, monkeypatch, capsys):
+    eos_bonus(monkeypatch)
+    out = tmp_path / "eval"
+    res = evaluate.main(["--bench", "bfcl", "--models", f"tiny={bfcl_ckpt}", "--n", "2", "--max-new-tokens", "12",
+                         "--max-turns", "24", "--max-len", "3000", "--temperature", "1.0", "--out", str(out)])
+    cats = evaluate.BFCL_CATEGORIES
+    assert set(res["tiny"]) == set(cats) | {"overall"}
+    assert all(res["tiny"][c]["n"] == 2 and 0.0 <= res["tiny"][c]["accuracy"] <= 1.0 for c in cats)
+    rows = util.read_jsonl(out / "tiny.jsonl")
+    assert [r["kind"] for r in rows] == [c for c in cats for _ in range(2)]
+    assert all(set(r["bfcl"]) == {"valid", "error_type", "error_message", "decoded"} for r in rows)
+    assert all("ids" not in r and r["messages"][0]["role"] == "user" for r in rows)  # no system prompt, as BFCL
+    assert sum(r["end_reason"] == "user_stop" for r in rows) >= 4  # most episodes reach their last turn
+    table = (out / "results.md").read_text().strip()
+    assert table.splitlines()[0] == "| model | overall | base | miss_func | miss_param | long_context |"
+    assert table in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text()) == res
+
+
+class FakeAgentServer(util.FakeOpenAIServer):
+    """/chat/completions that records every request and answers with no tool call (each turn ends at once)."""
+
+    def __init__(self):
+        self.bodies = []
+        super().__init__()
+
+    def answer(self, path, body):
+        self.bodies.append(body)
+        return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "I cannot do that."}, "finish_reason": "stop"}]}
+
+
+@needs_bfcl
+def test_endpoint_agent_gets_tools_and_held_out_ones_at_their_turn(tmp_path, entries):
+    srv = FakeAgentServer()
+    try:
+        res = evaluate.main(["--bench", "bfcl", "--models", f"remote={srv.url}", "--agent-model", "some/model",
+                             "--categories", "miss_func", "--n", "1", "--out", str(tmp_path)])
+    finally:
+        srv.close()
+    e = next(x for x in entries if x["id"] == "multi_turn_miss_func_0")
+    turn = int(next(iter(e["missed_function"])))
+    held = {d["name"] for d in e["missed_function"][str(turn)]}
+    assert len(srv.bodies) == len(e["question"]) and all(b["model"] == "some/model" for b in srv.bodies)
+    for t, body in enumerate(srv.bodies):
+        names = {tool["function"]["name"] for tool in body["tools"]}
+        assert bool(held & names) == (t >= turn), t
+        assert "system" not in {m["role"] for m in body["messages"]}
+    assert res["remote"]["multi_turn_miss_func"]["n"] == 1
+    assert util.read_jsonl(tmp_path / "remote.jsonl")[0]["agent_error"] is None
+
+
+def test_unknown_category_lists_the_valid_ones(tmp_path):
+    with pytest.raises(SystemExit, match="multi_turn_base, multi_turn_miss_func, multi_turn_miss_param, "
+                                         "multi_turn_long_context"):
+        evaluate.main(["--bench", "bfcl", "--categories", "base", "nope", "--models", "x=y", "--out", str(tmp_path)])
+
+
+def test_missing_bfcl_eval_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bfcl_eval", None)  # import bfcl_eval now fails, installed or not
+    monkeypatch.setattr(evaluate, "_bfcl", {})
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--bench", "bfcl", "--models", "x=y", "--out", str(tmp_path)])
+    msg = str(exc.value)
+    assert INSTALL in msg and "\n" not in msg
+
+
+# ----------------------------------------------------------------------------------------------------
+# tau2 as tau2 runs it: on tau2's tasks the agent's system prompt holds tau2's domain policy (policy.md
+# beside tasks.json, or --policy); the generated shop keeps rollout.SYSTEM_PROMPT
+
+
+needs_tau2 = pytest.mark.skipif(not (TAU2 / "tasks.json").is_file() or not (TAU2 / "policy.md").is_file(),
+                                reason=f"tau2 retail data absent ({TAU2})")
+
+
+def test_system_prompt_without_a_policy_is_the_shops(tmp_path):
+    assert rollout.agent_system_prompt() == rollout.SYSTEM_PROMPT
+    assert rollout.agent_system_prompt(None, str(tmp_path / "tasks.jsonl")) == rollout.SYSTEM_PROMPT  # none beside
+    (tmp_path / "rules.md").write_text("Never refund gift cards.\n")
+    prompt = rollout.agent_system_prompt(str(tmp_path / "rules.md"))
+    assert "<policy>\nNever refund gift cards.\n</policy>" in prompt
+    assert rollout.agent_system_prompt("none", str(tmp_path / "tasks.jsonl")) == rollout.SYSTEM_PROMPT
+    with pytest.raises(FileNotFoundError, match="policy file"):
+        rollout.agent_system_prompt(str(tmp_path / "missing.md"))
+
+
+@needs_tau2
+def test_policy_beside_tau2_tasks():
+    assert env.policy_beside(str(TAU2 / "tasks.json")) == str((TAU2 / "policy.md").resolve())
+    prompt = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json"))
+    assert (TAU2 / "policy.md").read_text().strip() in prompt
+    assert rollout.agent_system_prompt("none", str(TAU2 / "tasks.json")) == rollout.SYSTEM_PROMPT
+
+
+class FakeUser(util.FakeOpenAIServer):
+    """An OpenAI-compatible user model: asks for help once, then stops."""
+
+    def answer(self, path, body):
+        said = sum(m["role"] == "assistant" for m in body["messages"])  # its own earlier lines
+        text = "Hi, I want to return an order." if said == 0 else "Thanks. ###STOP###"
+        return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+
+
+@pytest.fixture(scope="module")
+def policy_ckpt(tmp_path_factory):
+    """A tiny random model whose tokenizer has seen the policy prompt (so it is a few thousand tokens, not bytes)."""
+    system = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json")) if (TAU2 / "policy.md").is_file() else ""
+    convs = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"hi {i}"},
+                           {"role": "assistant", "content": f"hello {i}"}]} for i in range(4)]
+    tok, model = sft.make_tiny(convs, 400, 32, 2, 2, seed=0)
+    return rollout.save_checkpoint(str(tmp_path_factory.mktemp("policy_tiny")), 0, model, tok)
+
+
+@pytest.fixture
+def user_server():
+    srv = FakeUser()
+    yield srv
+    srv.close()
+
+
+@needs_tau2
+def test_evaluate_tau2_gives_the_agent_the_policy(policy_ckpt, user_server, tmp_path):
+    evaluate.main(["--models", f"tiny={policy_ckpt}", "--tasks", str(TAU2 / "tasks.json"), "--db", str(TAU2 / "db.json"),
+                   "--n-tasks", "1", "--k", "1", "--max-turns", "1", "--max-new-tokens", "4", "--max-len", "8192",
+                   "--user", user_server.url, "--out", str(tmp_path)])
+    ep = util.read_jsonl(tmp_path / "tiny.jsonl")[0]
+    policy = (TAU2 / "policy.md").read_text().strip()
+    prompt = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json"))
+    assert ep["messages"][0] == {"role": "system", "content": prompt}
+    assert policy in ep["messages"][0]["content"] and ep["turns"] == 1  # the agent played with it

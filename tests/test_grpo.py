@@ -586,3 +586,54 @@ def test_grpo_torchrun(world, tmp_path):
     # 2 groups in the global batch, one per rank: a per-rank fraction could only be 0 or 1
     assert rec["zero_spread_frac"] in (0.0, 0.5, 1.0)
     assert (out / "latest").read_text().strip() == "step_000001"
+
+
+# ----------------------------------------------------------------------------------------------------
+# on tau2's tasks the agent's system prompt holds tau2's domain policy
+
+
+needs_tau2 = pytest.mark.skipif(not (TAU2 / "tasks.json").is_file() or not (TAU2 / "policy.md").is_file(),
+                                reason=f"tau2 retail data absent ({TAU2})")
+
+
+class FakeUser(util.FakeOpenAIServer):
+    """An OpenAI-compatible user model: asks for help once, then stops."""
+
+    def answer(self, path, body):
+        said = sum(m["role"] == "assistant" for m in body["messages"])  # its own earlier lines
+        text = "Hi, I want to return an order." if said == 0 else "Thanks. ###STOP###"
+        return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+
+
+@pytest.fixture(scope="module")
+def policy_ckpt(tmp_path_factory):
+    """A tiny random model whose tokenizer has seen the policy prompt (so it is a few thousand tokens, not bytes)."""
+    system = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json")) if (TAU2 / "policy.md").is_file() else ""
+    convs = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"hi {i}"},
+                           {"role": "assistant", "content": f"hello {i}"}]} for i in range(4)]
+    tok, model = sft.make_tiny(convs, 400, 32, 2, 2, seed=0)
+    return rollout.save_checkpoint(str(tmp_path_factory.mktemp("policy_tiny")), 0, model, tok)
+
+
+@pytest.fixture
+def user_server():
+    srv = FakeUser()
+    yield srv
+    srv.close()
+
+
+@needs_tau2
+def test_grpo_tau2_gives_the_agent_the_policy(policy_ckpt, user_server, tmp_path, monkeypatch):
+    played = []
+
+    def spy(*a, **kw):
+        played.extend(rollout.run_episodes(*a, **kw))
+        return played[-2:]
+    monkeypatch.setattr(grpo, "run_episodes", spy)
+    grpo.main(["--model", policy_ckpt, "--tasks", str(TAU2 / "tasks.json"), "--db", str(TAU2 / "db.json"),
+               "--user", user_server.url, "--steps", "1", "--batch-tasks", "1", "--group", "2", "--max-turns", "1",
+               "--max-new-tokens", "4", "--max-len", "8192", "--out", str(tmp_path / "grpo")])
+    policy = (TAU2 / "policy.md").read_text().strip()
+    assert len(played) == 2 and all(policy in ep.messages[0]["content"] for ep in played)
+    assert all(ep.messages[0]["role"] == "system" and ep.turns == 1 for ep in played)
