@@ -18,6 +18,8 @@ import hashlib
 import json
 import random
 import re
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -978,15 +980,16 @@ class ReplayUser:
 
 
 class LLMUser:
-    def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2,
-                 max_new_tokens=256, temperature=0.0, max_chars=2000):
-        self.task = task
-        self.backend = backend
-        self.seed = seed
-        self.max_retries = max_retries  # extra attempts on backend failure or an empty reply
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.max_chars = max_chars
+    """An LLM plays the customer of `task`. `max_retries`: extra attempts after a failed or empty reply (the backend
+    has already retried its transport); `deadline`: seconds this user may spend waiting on its backend over the
+    whole episode, after which it fails (None: no limit). A failure ends the episode as "user_error" with the
+    reason in `error`: the episode is left out of scores, never counted as 0."""
+
+    def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2, max_new_tokens=256, temperature=0.0,
+                 max_chars=2000, deadline=None):
+        self.task, self.backend, self.seed = task, backend, seed
+        self.max_retries, self.max_new_tokens, self.temperature = max_retries, max_new_tokens, temperature
+        self.max_chars, self.deadline, self.waited = max_chars, deadline, 0.0
         # History from the user model's point of view (roles flipped).
         self.messages = [{"role": "system", "content": system_prompt(task, guidelines)}]
         self.turns = 0
@@ -1014,39 +1017,41 @@ class LLMUser:
     def _fail(self, err):
         self.error = err
         self.done, self.end_reason = True, "user_error"
+        print(f"user simulator of task {self.task.get('id')!r} failed: {err}", file=sys.stderr, flush=True)
         return ""
+
+    def _out_of_time(self):
+        return self.deadline is not None and self.waited >= self.deadline
 
 
 def _generate(users):
-    """One reply for each user (all share one backend): one batched chat() call per attempt.
-
-    Failed or empty replies are retried, each user up to its own max_retries. If a batched call raises, that
-    attempt is redone item by item, so one bad conversation cannot error out its neighbours."""
-    backend = users[0].backend
-    head = users[0]
+    """One reply for each user (all share one backend): one batched chat() call per attempt, each conversation
+    with its own seed (per user, turn and retry). The backend answers each conversation with its text or the
+    exception that ended it; failed or empty replies are retried, each user up to its own max_retries and
+    within its own deadline."""
+    backend, head = users[0].backend, users[0]
     replies = [None] * len(users)
     todo, attempt = list(range(len(users))), 0
     while todo:
-        batch = [list(users[i].messages) for i in todo]
-        seed = (head.seed * 1_000_003 + head.turns * 101 + attempt) % 2**31  # per turn and retry; fits any API
-        args = (head.max_new_tokens, head.temperature, seed)
+        for i in [i for i in todo if users[i]._out_of_time()]:
+            u = users[i]
+            replies[i] = u._fail(f"user simulator out of time: waited {u.waited:.0f} s, deadline {u.deadline:g} s")
+        todo = [i for i in todo if replies[i] is None]
+        if not todo:
+            break
+        seeds = [(users[i].seed * 1_000_003 + users[i].turns * 101 + attempt) % 2**31 for i in todo]  # fits any API
+        t0 = time.monotonic()
         try:
-            outs = list(backend.chat(batch, *args))
-            if len(outs) != len(batch):
-                raise UserSimError(f"backend returned {len(outs)} replies for {len(batch)} conversations")
-        except Exception as e:  # noqa: BLE001 - any backend failure becomes a recorded user error
-            if len(batch) == 1:
-                outs = [e]
-            else:
-                outs = []
-                for conv in batch:
-                    try:
-                        outs.append(backend.chat([conv], *args)[0])
-                    except Exception as e1:  # noqa: BLE001
-                        outs.append(e1)
+            outs = list(backend.chat([list(users[i].messages) for i in todo], head.max_new_tokens, head.temperature,
+                                     seeds))
+            if len(outs) != len(todo):
+                raise UserSimError(f"backend returned {len(outs)} replies for {len(todo)} conversations")
+        except Exception as e:  # noqa: BLE001 - a backend that fails as a whole fails every conversation of the call
+            outs = [e] * len(todo)
         retry = []
         for i, out in zip(todo, outs):
             u = users[i]
+            u.waited += time.monotonic() - t0
             if isinstance(out, Exception):
                 problem = f"{type(out).__name__}: {out}"
             else:

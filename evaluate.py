@@ -28,7 +28,7 @@ import math
 import os
 import re
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from math import comb
 
 import torch
@@ -79,6 +79,9 @@ def summarize(eps, ks):
             out[group][f"pass^{k}"] = pass_hat_k(outcomes, k)
             out[group][f"pass@{k}"] = pass_at_k(outcomes, k)
     out["all"]["errored"] = sum(e.errored for e in eps)
+    # why they errored, most common first (the reason's text up to its first colon groups alike failures)
+    why = Counter((e.error or e.end_reason).split(":")[0] for e in eps if e.errored)
+    out["all"]["errored_why"] = dict(why.most_common())
     return out
 
 
@@ -175,6 +178,10 @@ def main(argv=None):
     g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
     g.add_argument("--user-guidelines", default=None,
                    help="the LLM user's guidelines (default: tau2's beside --tasks, else env.py's fallback)")
+    g.add_argument("--llm-concurrency", type=int, default=64,
+                   help="requests in flight at each OpenAI-compatible endpoint (the user; an endpoint agent)")
+    g.add_argument("--llm-deadline", type=float, default=300.0,
+                   help="seconds one endpoint request may take, retries included (a user: 4x over its episode)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="results.json, results.md, a transcript JSONL per model (default: "
                                                 "out/eval, out/eval_bfcl)")
@@ -182,19 +189,21 @@ def main(argv=None):
     bench, bfcl_kw = a.pop("bench"), {k: a.pop(k) for k in ("categories", "n", "batch")}
     if bench == "bfcl":
         shared = ("models", "backend", "agent_model", "thinking", "temperature", "max_turns", "max_new_tokens",
-                  "max_len", "seed", "out")
+                  "max_len", "seed", "out", "llm_concurrency", "llm_deadline")
         return run_bfcl(**bfcl_kw, **{k: a[k] for k in shared})
     return run(**a)
 
 
 def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
-        max_len, seed, user, user_model, user_guidelines, out, agent_model=None, policy_file=None, thinking=None):
+        max_len, seed, user, user_model, user_guidelines, out, agent_model=None, policy_file=None, thinking=None,
+        llm_concurrency=64, llm_deadline=300.0):
     """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
     out, max_turns = out or "out/eval", max_turns or 16
     torch.manual_seed(seed)
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
     test = env.load_tasks(tasks or os.path.join(data_dir, "test_tasks.jsonl"))[:n_tasks]
-    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks))
+    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
+                                  concurrency=llm_concurrency, deadline=llm_deadline)
     system_prompt = agent_system_prompt(policy_file, tasks)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(out, exist_ok=True)
@@ -202,7 +211,7 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     results = {}
     for name, path in parse_models(models).items():
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
-                                    thinking=thinking)
+                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline)
         make_agent, agents = endpoint_agents(chat, lambda task: env.TOOL_SCHEMAS, max_new_tokens=max_new_tokens,
                                              temperature=temperature)
         eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
@@ -210,12 +219,13 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
                              system_prompt=system_prompt, make_agent=make_agent)
         for ep, agent in zip(eps, agents):  # an endpoint that failed says nothing about the model: left out
             if agent.error:
-                ep.errored, ep.end_reason = True, "agent_error"
+                ep.errored, ep.end_reason, ep.error = True, "agent_error", agent.error
         write_transcripts(os.path.join(out, f"{name}.jsonl"), eps)
         results[name] = summarize(eps, ks)
         a = results[name]["all"]
         print(f"{name}: pass^1 {_fmt(a['pass^1'])} over {a['n']} tasks, pass@{k} {_fmt(a[f'pass@{k}'])} "
-              f"(solved in at least one of {k} trials), {a['errored']} errored episodes", flush=True)
+              f"(solved in at least one of {k} trials), {a['errored']} errored episodes"
+              + (f" (left out of pass^k; why: {a['errored_why']})" if a["errored"] else ""), flush=True)
         del gen
     write_results(out, results, markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1]))
     return results
@@ -450,7 +460,7 @@ def bfcl_markdown(results, categories):
 
 
 def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature, max_turns, max_new_tokens,
-             max_len, seed, out, thinking=None):
+             max_len, seed, out, thinking=None, llm_concurrency=64, llm_deadline=300.0):
     """Every model on the chosen BFCL categories; print and write the table. -> results dict."""
     out = out or "out/eval_bfcl"
     categories = bfcl_categories(categories)
@@ -464,7 +474,7 @@ def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature,
     for name, path in parse_models(models).items():
         run_name = "mua_" + re.sub(r"\W", "_", name)  # bfcl-eval keys instances by it: no spaces, no '@'
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
-                                    thinking=thinking)
+                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline)
         make_agent, agents = endpoint_agents(chat, lambda task: task["world"].tools, max_new_tokens=max_new_tokens,
                                              temperature=temperature)
         eps, worlds = bfcl_play(gen, tok, entries, run_name=run_name, make_agent=make_agent, fc=chat is not None,

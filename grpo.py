@@ -69,6 +69,10 @@ def main(argv=None):
     g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
     g.add_argument("--user-guidelines", default=None,
                    help="the LLM user's guidelines (default: tau2's beside --tasks, else env.py's fallback)")
+    g.add_argument("--llm-concurrency", type=int, default=64,
+                   help="requests in flight at each OpenAI-compatible endpoint (the user; an endpoint agent)")
+    g.add_argument("--llm-deadline", type=float, default=300.0,
+                   help="seconds one endpoint request may take, retries included (a user: 4x over its episode)")
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=30, help="GRPO steps")
     g.add_argument("--lr", type=float, default=5e-5, help="tiny model (2e-4 broke it); the paper: 1e-6 on 8B")
@@ -89,8 +93,9 @@ def main(argv=None):
 
 
 def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, steps, batch_tasks, group, temperature,
-          max_turns, max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines, lr, clip, beta,
-          mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb):
+          max_turns, max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines, llm_concurrency,
+          llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every,
+          resume, wandb):
     """The GRPO loop. -> (policy, tokenizer)."""
     config = dict(locals())
     rank, world, device = setup_distributed()
@@ -117,7 +122,8 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
         gen = HFGenerator(unwrap(policy), tok)
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
     train_tasks = env.load_tasks(tasks or os.path.join(data_dir, "train_tasks.jsonl"))
-    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks))
+    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
+                                  concurrency=llm_concurrency, deadline=llm_deadline)
     # on tau2's tasks the agent gets tau2's domain policy, as in evaluation (evaluate.py) and in tau2 itself
     episode_kw = dict(max_turns=max_turns, max_tokens=max_len, max_new_tokens=max_new_tokens,
                       temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks))

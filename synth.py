@@ -37,7 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import env
-from rollout import chat_backend, make_user_factory, run_episodes, score_episode
+from rollout import ChatAgent, chat_backend, make_user_factory, run_episodes, score_episode
 
 
 def main():
@@ -63,6 +63,10 @@ def main():
     g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
     g.add_argument("--user-guidelines", default=None,
                    help="the LLM user's guidelines file (default: env.py's short fallback wording)")
+    g.add_argument("--llm-concurrency", type=int, default=64,
+                   help="requests in flight at each OpenAI-compatible endpoint (user, teacher, tool simulator)")
+    g.add_argument("--llm-deadline", type=float, default=300.0,
+                   help="seconds one endpoint request may take, retries included (a user: 4x over its episode)")
     g = p.add_argument_group("rollout")
     g.add_argument("--max-turns", type=int, default=30, help="agent turns per episode")
     g.add_argument("--chunk", type=int, default=64, help="episodes played together")
@@ -86,14 +90,16 @@ def main():
     if args.tools == "mcp":
         with MCPToolClient(shop) as c:
             tools = c.list_tools()  # the schemas the agent sees are the server's
+    llm = dict(concurrency=args.llm_concurrency, deadline=args.llm_deadline)
     if args.agent == "oracle":
         make_agent = lambda task, seed: OracleAgent(task, seed)
-    else:
-        teacher = TeacherAgent(chat_backend(args.agent, args.agent_model))
-        make_agent = lambda task, seed: teacher
-    call_tool = (LLMToolSimulator(chat_backend(args.tool_llm, args.tool_model)) if args.tools == "llm"
+    else:  # a teacher LLM: every live episode's turn goes to it in one batch (rollout.act_all)
+        teacher = chat_backend(args.agent, args.agent_model, **llm)
+        make_agent = lambda task, seed: ChatAgent(teacher, tools, max_new_tokens=512, seed=seed)
+    call_tool = (LLMToolSimulator(chat_backend(args.tool_llm, args.tool_model, **llm)) if args.tools == "llm"
                  else env.call_tool)
-    eps = synthesize(tasks, db, make_user=make_user_factory(args.user, args.user_model, args.user_guidelines),
+    make_user = make_user_factory(args.user, args.user_model, args.user_guidelines, **llm)
+    eps = synthesize(tasks, db, make_user=make_user,
                      make_agent=make_agent, call_tool=call_tool, tools=tools, max_turns=args.max_turns,
                      chunk=args.chunk, seed=args.seed, mcp_db=shop if args.tools == "mcp" else None)
 
@@ -803,40 +809,38 @@ def check_simulated(name, text):
 class LLMToolSimulator:
     """call_tool(db, name, args) whose answer comes from an LLM prompted with the tool's schema, the call and
     the slice of the db it may use. The real tool also runs on the episode's db (which the agent never sees),
-    so the kept trajectories are verified by the same reward as everything else."""
+    so the kept trajectories are verified by the same reward as everything else. run_episodes hands it every
+    call of a step at once (call_all), so an endpoint simulates them concurrently."""
 
     def __init__(self, backend, max_new_tokens=512):
         self.backend, self.max_new_tokens = backend, max_new_tokens
         self.schemas = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
 
     def __call__(self, db, name, args):
-        args, err = env.check_call(name, args)
-        if err:  # unknown tools and bad arguments are refused before any simulation, as the real tools do
-            return err, True
-        memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
-        env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
-        prompt = TOOL_SIM_PROMPT.format(schema=json.dumps(self.schemas[name]), memory=memory,
-                                        call=json.dumps({"name": name, "arguments": args}))
-        try:
-            text = self.backend.chat([[{"role": "user", "content": prompt}]], self.max_new_tokens, 0.0)[0]
-        except Exception as e:  # the simulator failing is a tool error the agent can read, not a crash
-            return f"Error: tool simulator failed: {e}", True
-        return check_simulated(name, text)
+        return self.call_all([(db, name, args)])[0]
 
-
-# ----------------------------------------------------------------------------------------------------
-# a teacher LLM as the agent
-
-
-class TeacherAgent:
-    """A teacher LLM plays the agent. It sees the conversation and the tool schemas; its tool calls come back
-    as Hermes <tool_call> text, the format rollout.parse_assistant reads."""
-
-    def __init__(self, backend, max_new_tokens=512, temperature=0.0):
-        self.backend, self.max_new_tokens, self.temperature = backend, max_new_tokens, temperature
-
-    def act(self, messages):
-        return self.backend.chat([messages], self.max_new_tokens, self.temperature, tools=env.TOOL_SCHEMAS)[0]
+    def call_all(self, requests):
+        """[(db, name, args)] -> [(content, is_error)], the real effects applied in order."""
+        out, prompts, asked = [None] * len(requests), [], []
+        for k, (db, name, args) in enumerate(requests):
+            args, err = env.check_call(name, args)
+            if err:  # unknown tools and bad arguments are refused before any simulation, as the real tools do
+                out[k] = (err, True)
+                continue
+            memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
+            env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
+            prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(
+                schema=json.dumps(self.schemas[name]), memory=memory, call=json.dumps({"name": name, "arguments": args}))}])
+            asked.append((k, name))
+        if prompts:
+            try:
+                replies = self.backend.chat(prompts, self.max_new_tokens, 0.0)
+            except Exception as e:  # the simulator failing is a tool error the agent can read, not a crash
+                replies = [e] * len(prompts)
+            for (k, name), text in zip(asked, replies):
+                out[k] = (f"Error: tool simulator failed: {text}", True) if isinstance(text, Exception) else \
+                    check_simulated(name, text)
+        return out
 
 
 if __name__ == "__main__":

