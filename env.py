@@ -174,6 +174,12 @@ class ToolError(Exception):
     """A tool refused the call; the message is what the agent sees after 'Error: '."""
 
 CALC_CHARS = set("0123456789+-*/(). ")
+# Bounds that keep one call far under 100 ms whatever the model writes (tau2's eval() has none: a chain of big
+# powers there runs for seconds, and its result could never become a float anyway). Any int past MAX_INT_BITS
+# is refused before it is computed; floats bound themselves (inf, or OverflowError like Python's).
+MAX_EXPR_CHARS = 1000
+MAX_INT_BITS = 4096   # ~1233 digits; a float holds at most ~1024 bits, so no finite answer needs more
+MAX_DEPTH = 100       # nested parentheses and unary signs (Python's parser stops at 200 parentheses)
 
 def _tokenize(expr):
     tokens, i = [], 0
@@ -205,25 +211,48 @@ def _tokenize(expr):
             i += 1
     return tokens
 
+def _bounded(v):
+    if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
+        raise ToolError("Invalid expression: result too large")
+    return v
+
+def _mul(a, b):
+    # refuse before multiplying: the product of two big ints is what made a 300-character chain take seconds
+    if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+        raise ToolError("Invalid expression: result too large")
+    return _bounded(a * b)
+
 def _pow(a, b):
     # Python ints are exact; refuse results so large that computing them would hang the episode
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and a.bit_length() * b > 10**6:
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and (a.bit_length() - 1) * b > MAX_INT_BITS:
         raise ToolError("Invalid expression: result too large")
-    return a ** b
+    return _bounded(a ** b)
 
-_BINOPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+_BINOPS = {"+": lambda a, b: _bounded(a + b), "-": lambda a, b: _bounded(a - b), "*": _mul,
            "/": lambda a, b: a / b, "//": lambda a, b: a // b, "**": _pow}
 
 def _calc(expr):
     """Evaluate with Python's grammar: expr := term (+|- term)*, term := factor (*|/|// factor)*,
     factor := (+|-) factor | atom [** factor], atom := number | ( expr )."""
-    toks, pos = _tokenize(expr), 0
+    if len(expr) > MAX_EXPR_CHARS:
+        raise ToolError(f"Invalid expression: longer than {MAX_EXPR_CHARS} characters")
+    toks, pos, depth = _tokenize(expr), 0, 0
     peek = lambda: toks[pos] if pos < len(toks) else None
 
     def take():
         nonlocal pos
         pos += 1
         return toks[pos - 1]
+
+    def nest(f):
+        nonlocal depth
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise ToolError(f"Invalid expression: nested deeper than {MAX_DEPTH}")
+        try:
+            return f()
+        finally:
+            depth -= 1
 
     def expr_():
         v = term()
@@ -241,20 +270,20 @@ def _calc(expr):
 
     def factor():
         if peek() in ("+", "-"):
-            return -factor() if take() == "-" else +factor()
+            return -nest(factor) if take() == "-" else +nest(factor)
         v = atom()
         if peek() == "**":
             take()
-            v = _pow(v, factor())  # right-associative, and binds tighter than a unary minus on its left
+            v = _pow(v, nest(factor))  # right-associative, and binds tighter than a unary minus on its left
         return v
 
     def atom():
         t = peek()
         if isinstance(t, (int, float)):
-            return take()
+            return _bounded(take())
         if t == "(":
             take()
-            v = expr_()
+            v = nest(expr_)
             if peek() != ")":
                 raise ToolError("Invalid expression: missing ')'")
             take()

@@ -156,6 +156,38 @@ def test_calculate_errors(expr, msg):
     assert is_error and content.startswith(msg)
 
 
+CALC_BOMBS = [
+    "*".join(["9**99999"] * 30)[:299],        # the reported 299-character chain: 9.3 s before the bound
+    "*".join(["9**400"] * 60)[:999],          # each power small, their product quadratic in size
+    "(" * 150 + "1" + ")" * 150, "-" * 500 + "1", "+-" * 300 + "1",  # nesting
+    "9" * 1500, "1" * 1000 + "*" + "1" * 999,   # long literals, and the length limit
+    "2**4096", "2**4095*2", "10**1000/10**999", "(10**300)**-5", "(-8)**0.5", "2.0**99999", "7//0.0",
+]
+
+
+@pytest.mark.parametrize("expr", CALC_BOMBS, ids=range(len(CALC_BOMBS)))
+def test_calculate_is_bounded_in_size_and_time(expr):
+    import time
+    env.call_tool({}, "calculate", {"expression": "1+1"})  # warm-up
+    t0 = time.perf_counter()
+    content, is_error = env.call_tool({}, "calculate", {"expression": expr})
+    assert time.perf_counter() - t0 < 0.1, expr[:40]
+    assert isinstance(content, str) and len(content) < 200
+    if is_error:
+        assert content.startswith("Error: ")
+
+
+def test_calculate_bounds_keep_normal_results():
+    # big but finite answers still come out as tau2 prints them; only ints past MAX_INT_BITS are refused
+    assert env.calculate({}, "2**1000 / 2**999") == "2.0"
+    assert env.calculate({}, "10**300 * 10**2") == "1e+302"
+    assert env.calculate({}, "(" * 90 + "1" + ")" * 90) == "1.0"
+    with pytest.raises(env.ToolError, match="too large"):
+        env.calculate({}, "2**5000")
+    with pytest.raises(env.ToolError, match="longer than"):
+        env.calculate({}, "1+" * 600 + "1")
+
+
 def test_dump_roundtrip_and_canonical_nulls(db, replays, tmp_path):
     d = replays["21"][0]
     env.dump_db(d, tmp_path / "end.json")
