@@ -412,17 +412,19 @@ def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment
 
 def find_user_id_by_name_zip(db, first_name, last_name, zip):
     """Find a user id by first name, last name (case-insensitive) and exact zip code."""
+    first, last = first_name.lower(), last_name.lower()  # once, not per user: arguments can be huge
     for user_id, u in db["users"].items():
-        if (u["name"]["first_name"].lower() == first_name.lower()
-                and u["name"]["last_name"].lower() == last_name.lower()
+        if (u["name"]["first_name"].lower() == first
+                and u["name"]["last_name"].lower() == last
                 and u["address"]["zip"] == zip):
             return user_id
     raise ToolError("User not found")
 
 def find_user_id_by_email(db, email):
     """Find a user id by email (case-insensitive)."""
+    email = email.lower()
     for user_id, u in db["users"].items():
-        if u["email"].lower() == email.lower():
+        if u["email"].lower() == email:
             return user_id
     raise ToolError("User not found")
 
@@ -649,6 +651,15 @@ _PARAMS = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHE
 # -----------------------------------------------------------------------------
 # call_tool: the one entry point for episodes; it never raises
 
+MAX_ERROR_CHARS = 2000  # an error message quotes what the model wrote; never let it flood the context
+
+def _preview(value, n=80):
+    """The start of value as JSON, for an error message; never raises (deep nesting, ints past 4300 digits)."""
+    try:
+        return json.dumps(value, default=str)[:n]
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__} that cannot be shown>"
+
 def _type_error(name, arg, spec, value):
     if spec["type"] == _STR:
         ok = isinstance(value, str)
@@ -657,7 +668,7 @@ def _type_error(name, arg, spec, value):
     if ok:
         return None
     want = "a string" if spec["type"] == _STR else "an array of strings"
-    return f"Error: Argument '{arg}' of tool '{name}' must be {want}, got {json.dumps(value, default=str)[:80]}"
+    return f"Error: Argument '{arg}' of tool '{name}' must be {want}, got {_preview(value)}"
 
 def _check_args(name, arguments):
     """Return an error string, or None when arguments match the tool's schema."""
@@ -666,7 +677,7 @@ def _check_args(name, arguments):
     params = _PARAMS[name]
     for arg in arguments:
         if arg not in params["properties"]:
-            return (f"Error: Unexpected argument '{arg}' for tool '{name}'. "
+            return (f"Error: Unexpected argument '{str(arg)[:80]}' for tool '{name}'. "
                     f"Expected: {', '.join(params['required']) or 'no arguments'}")
     for arg in params["required"]:
         if arg not in arguments:
@@ -679,14 +690,14 @@ def _check_args(name, arguments):
 def check_call(name, arguments):
     """Decode and validate a call before anything runs. -> (arguments as a dict, None) or (None, 'Error: ...')."""
     if not isinstance(name, str) or name not in TOOLS:
-        return None, f"Error: Unknown tool '{name}'. Available tools: {', '.join(TOOL_NAMES)}"
+        return None, f"Error: Unknown tool '{str(name)[:80]}'. Available tools: {', '.join(TOOL_NAMES)}"
     if arguments is None:
         arguments = {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            return None, f"Error: Invalid JSON in arguments of tool '{name}': {e}"
+        except (ValueError, RecursionError) as e:  # bad JSON, an int past 4300 digits, too deep a nesting
+            return None, f"Error: Invalid JSON in arguments of tool '{name}': {str(e)[:200]}"
     err = _check_args(name, arguments)
     return (None, err) if err else (arguments, None)
 
@@ -694,14 +705,14 @@ def check_call(name, arguments):
 def call_tool(db, name, arguments):
     """Run one tool on db in place. Returns (content, is_error), serialised as tau2 does:
     a plain string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
-    arguments, err = check_call(name, arguments)
-    if err:
-        return err, True
     try:
+        arguments, err = check_call(name, arguments)
+        if err:
+            return err[:MAX_ERROR_CHARS], True
         result = TOOLS[name](db, **arguments)
+        return (result if isinstance(result, str) else json.dumps(result, default=str)), False
     except Exception as e:  # ToolError and anything unexpected: tau2 also turns every exception into 'Error: <e>'
-        return f"Error: {e}", True
-    return (result if isinstance(result, str) else json.dumps(result, default=str)), False
+        return f"Error: {e}"[:MAX_ERROR_CHARS], True
 
 # -----------------------------------------------------------------------------
 # tasks: tau2's tasks.json (a JSON list) or our JSONL, one task per line

@@ -201,6 +201,8 @@ def encode_conversation(tok, messages, tools=None):
 # parsing the agent's text
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+MAX_CALL_DEPTH = 32  # a real call nests 3 levels; a deeper one is refused before it reaches a tool or a template
+MAX_CALL_CHARS = 20_000  # a real call is well under 1k characters
 
 
 def parse_assistant(text):
@@ -210,13 +212,19 @@ def parse_assistant(text):
     for body in TOOL_CALL.findall(text):
         call = {"type": "function", "function": {"name": "", "arguments": {}}}
         try:
+            if len(body) > MAX_CALL_CHARS:  # refused unread: decoding a runaway output is the slow part
+                raise ValueError(f"longer than {MAX_CALL_CHARS} characters")
             obj = json.loads(body.strip())
         except json.JSONDecodeError as e:
-            call["error"] = f"Error: could not parse the tool call as JSON ({e.msg} at char {e.pos})."
-            call["function"]["arguments"] = body.strip()
-            calls.append(call)
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            obj, problem = None, f"{e.msg} at char {e.pos}"
+        except (ValueError, RecursionError) as e:  # an int past 4300 digits; nesting past the recursion limit
+            obj, problem = None, f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            problem = None if _depth(obj) <= MAX_CALL_DEPTH else f"nested deeper than {MAX_CALL_DEPTH} levels"
+        if problem:
+            call["error"] = f"Error: could not parse the tool call as JSON ({problem})."
+            call["function"]["arguments"] = body.strip()  # the raw text: it renders like any other string
+        elif not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             call["error"] = 'Error: a tool call must be a JSON object {"name": ..., "arguments": {...}}.'
         else:
             call["function"] = {"name": obj["name"], "arguments": obj.get("arguments", {})}
@@ -228,15 +236,32 @@ def parse_assistant(text):
     return msg
 
 
+def _depth(x, limit=MAX_CALL_DEPTH):
+    """Nesting depth of a decoded JSON value, counted only up to limit + 1 (so it is cheap on any input)."""
+    todo, deepest = [(x, 1)], 0
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d > limit:
+                break
+            todo += [(c, d + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
 def execute_calls(db, msg, call_tool=env.call_tool):
-    """Run every call of an assistant message on this episode's db. -> (tool messages, n_errors, transferred)."""
+    """Run every call of an assistant message on this episode's db. -> (tool messages, n_errors, transferred).
+    Never raises: whatever the model wrote, each call is answered, at worst with an error message."""
     out, errors, transferred = [], 0, False
     for call in msg.get("tool_calls", []):
         name = call["function"]["name"]
         if "error" in call:
             content, is_error = call["error"], True
         else:
-            content, is_error = call_tool(db, name, call["function"]["arguments"])
+            try:
+                content, is_error = call_tool(db, name, call["function"]["arguments"])
+            except Exception as e:  # noqa: BLE001 - a swapped-in call_tool (MCP, simulator) must not end the batch
+                content, is_error = f"Error: {type(e).__name__}: {str(e)[:200]}", True
         errors += is_error
         transferred |= (name == "transfer_to_human_agents" and not is_error)
         out.append({"role": "tool", "name": name or "invalid", "content": content})

@@ -244,6 +244,24 @@ def test_call_tool_unexpected_exception_becomes_error():
     assert is_error and content.startswith("Error: ")
 
 
+def test_string_arguments_that_escape_json_become_errors():
+    # call_tool decodes string arguments itself (the MCP and OpenAI paths hand them over as text)
+    for args in ("[" * 100000 + "]" * 100000, '{"order_id": ' + "9" * 5000 + "}"):
+        content, is_error = env.call_tool({}, "get_order_details", args)
+        assert is_error and content.startswith("Error: Invalid JSON"), content[:200]
+    # nor from validation (the error quotes the value) or a tool's own message
+    deep = [0]
+    for _ in range(5000):
+        deep = [deep]
+    for args in ({"order_id": deep}, {"order_id": int("9" * 4000) * 10 ** 400}):
+        content, is_error = env.call_tool({}, "get_order_details", args)
+        assert is_error and content.startswith("Error: Argument 'order_id'"), content[:200]
+    content, is_error = env.call_tool({"orders": {}}, "get_order_details", {"order_id": "x" * 10**6})
+    assert (content, is_error) == ("Error: Order not found", True)
+    content, is_error = env.call_tool({}, "x" * 10**6, {})
+    assert is_error and len(content) <= env.MAX_ERROR_CHARS
+
+
 def test_call_tool_json_string_args_and_serialisation(db):
     content, is_error = env.call_tool(db, "find_user_id_by_email", '{"email": "Noah.Brown7922@example.com"}')
     assert (content, is_error) == ("noah_brown_6181", False)  # plain strings pass through unquoted

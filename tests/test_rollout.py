@@ -310,6 +310,185 @@ def test_bad_calls_become_errors(label, text, db):
     json.dumps(msg)
 
 
+ESCAPING_CALLS = [  # each raised out of parse_assistant or call_tool before: one bad output ended the batch
+    ("deep nesting", "<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>"),
+    ("deep arguments", '<tool_call>{"name": "calculate", "arguments": ' + '{"a": ' * 5000 + "1" + "}" * 5001
+     + "</tool_call>"),
+    ("int past 4300 digits", '<tool_call>{"name": "get_order_details", "arguments": {"order_id": ' + "9" * 5000
+     + "}}</tool_call>"),
+    ("nested past the call limit", '<tool_call>{"name": "get_order_details", "arguments": {"order_id": '
+     + "[" * 40 + "]" * 40 + "}}</tool_call>"),
+]
+
+
+@pytest.mark.parametrize("label,text", ESCAPING_CALLS, ids=[b[0] for b in ESCAPING_CALLS])
+def test_nothing_escapes_parsing_and_execution(label, text, db):
+    d = env.canonical_db(db)
+    msg = rollout.parse_assistant("Checking. " + text)
+    out, errors, _ = rollout.execute_calls(d, msg)
+    assert len(out) == 1 and errors == 1 and out[0]["content"].startswith("Error"), out
+    assert len(out[0]["content"]) < 3000
+    json.dumps(msg)  # what is kept in the transcript can still be written out and rendered
+    assert env.db_hash(d) == env.db_hash(db)
+
+
+def test_a_raising_call_tool_becomes_an_error(db):
+    def broken(_db, name, args):
+        raise ConnectionError("server went away")
+    msg = rollout.parse_assistant(synth.tool_call_text("list_all_product_types"))
+    out, errors, _ = rollout.execute_calls(env.canonical_db(db), msg, broken)
+    assert errors == 1 and "server went away" in out[0]["content"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# fuzz: generated malformed agent outputs through parsing, validation and execution
+
+
+def malformed_output(rng, db):
+    """One agent output, drawn from the ways a model (or an attacker) can get a tool call wrong."""
+    oids, uids = list(db["orders"]), list(db["users"])
+    iids = [v for p in db["products"].values() for v in p["variants"]]
+    pids = list(db["products"])
+    uni = "é漢字🙂\u200b\u202e\x00\ufffd\\\"'<>{}[]"
+
+    def junk_str(n=None):
+        n = n if n is not None else rng.choice([0, 1, 5, 40, 300])
+        return "".join(rng.choices(uni + "abc019 #_W@.", k=n))
+
+    def huge_int():
+        return int("9" * rng.choice([20, 400, 4000, 4299]))
+
+    def nested(depth):
+        v = rng.choice([1, "x", None])
+        for _ in range(depth):
+            v = [v] if rng.random() < 0.5 else {"k": v}
+        return v
+
+    def value():
+        kind = rng.randrange(12)
+        if kind == 0:
+            return rng.choice(oids + uids + iids + pids)
+        if kind == 1:
+            return [rng.choice(iids) for _ in range(rng.randrange(0, 4))]
+        if kind == 2:
+            return junk_str()
+        if kind == 3:
+            return rng.choice([0, -1, 3.5, True, False, None, float("inf"), 1e308])
+        if kind == 4:
+            return nested(rng.choice([2, 10, 31, 33, 60]))
+        if kind == 5:
+            return "x" * rng.choice([10_000, 100_000])
+        if kind == 6:
+            return [rng.choice(iids)] * rng.choice([50, 1000])
+        if kind == 7:
+            return {"order_id": rng.choice(oids)}
+        if kind == 8:
+            return rng.choice(oids).lower() + junk_str(2)
+        if kind == 9:
+            return [junk_str(3), 5, None]
+        if kind == 10:
+            return huge_int() if rng.random() < 0.3 else rng.choice(["no longer needed", "ordered by mistake"])
+        return rng.choice(["gift_card_0000000", "paypal_1", ""] + [m for u in db["users"].values()
+                                                                   for m in u["payment_methods"]][:20])
+
+    def calc_bomb():
+        return rng.choice(["*".join(["9**99999"] * 30)[:299], "(" * 500 + "1" + ")" * 500, "-" * 900 + "1",
+                           "9" * 5000, "1/0", "2**4096", "(-8)**0.5", "1e5", "2.0**99999", "1" + "+1" * 499,
+                           "*".join(["7**1000"] * 100), junk_str(50), "((((1)))))", "", " "])
+
+    def call_obj():
+        name = rng.choice(env.TOOL_NAMES * 3 + ["", "launch_rocket", "get_order_details ", junk_str(8), 3, None,
+                                                ["calculate"], "x" * 5000])
+        if name == "calculate" and rng.random() < 0.6:
+            return {"name": name, "arguments": {"expression": calc_bomb()}}
+        params = env._PARAMS.get(name if isinstance(name, str) else "", {"properties": {"order_id": {}}})["properties"]
+        args = {k: value() for k in params if rng.random() < 0.85}
+        if rng.random() < 0.15:
+            args[rng.choice(["verbose", junk_str(4), "order_id"])] = value()
+        r = rng.random()
+        if r < 0.05:
+            return {"name": name, "arguments": json.dumps(args, default=str)[:rng.randrange(1, 200)]}
+        if r < 0.1:
+            return {"name": name, "arguments": rng.choice([None, [], "x", 5, [args]])}
+        if r < 0.13:
+            return {"name": name}
+        if r < 0.16:
+            return [name, args]
+        return {"name": name, "arguments": args}
+
+    def encode_call():
+        try:
+            body = json.dumps(call_obj(), ensure_ascii=rng.random() < 0.5)
+        except ValueError:  # json.dumps of an int past 4300 digits: write it out by hand
+            body = '{"name": "get_order_details", "arguments": {"order_id": ' + "7" * 4400 + "}}"
+        r = rng.random()
+        if r < 0.08:
+            body = body[:rng.randrange(0, len(body) + 1)]  # truncated
+        elif r < 0.12:
+            body = body.replace('"', "'")  # Python-ish quoting
+        elif r < 0.15:
+            body = "[" * rng.choice([100, 1000, 100000]) + body
+        elif r < 0.18:
+            body = '{"name": "get_order_details", "arguments": {"order_id": ' + "1" * rng.choice([4301, 6000]) + "}}"
+        elif r < 0.2:
+            body = body + body  # two objects glued together
+        close = rng.choice(["</tool_call>"] * 6 + ["", "</tool_call", "</tool_call></tool_call>", "<tool_call>"])
+        return "<tool_call>" + body + close
+
+    kind = rng.randrange(10)
+    if kind == 0:  # many calls in one turn
+        return "".join(encode_call() for _ in range(rng.choice([20, 60])))
+    if kind == 1:  # truncated or stray tags in text
+        return rng.choice(["<tool_", "<tool_call", "</tool_call>", "<tool_call><tool_call></tool_call>",
+                           "text <tool_call>", "<TOOL_CALL>{}</TOOL_CALL>", "<tool_call>\n\n</tool_call>"]) + junk_str()
+    if kind == 2:  # unicode text with no call
+        return junk_str(rng.choice([10, 1000, 50000]))
+    return junk_str(rng.choice([0, 10])) + "".join(encode_call() for _ in range(rng.choice([1, 1, 2, 3])))
+
+
+FUZZ_N = 5000
+
+
+def test_fuzz_malformed_outputs_never_escape_and_stay_fast(db):
+    """5,000 seeded malformed outputs through parse_assistant -> execute_calls on a copy of the db: nothing raises,
+    every tool message is a string, every output is answered within 100 ms (per output, time.perf_counter, after
+    a warm-up; an output over the bound is timed twice more and its fastest run counts, so that one scheduler
+    stall on this shared machine is not read as a slow call), and calculate stays bounded."""
+    import random as _random
+    import time as _time
+    rng = _random.Random(1234)
+    d = env.canonical_db(db)
+    rollout.execute_calls(d, rollout.parse_assistant(synth.tool_call_text("list_all_product_types")))  # warm-up
+    worst, n_calls, n_err, kinds = 0.0, 0, 0, collections.Counter()
+
+    def run(text, d):
+        t0 = _time.perf_counter()
+        msg = rollout.parse_assistant(text)
+        out, errors, _ = rollout.execute_calls(d, msg)
+        return _time.perf_counter() - t0, msg, out, errors
+
+    for i in range(FUZZ_N):
+        if i % 200 == 0:
+            d = env.canonical_db(db)  # writes pile up on one copy; start afresh now and then (not timed)
+        text = malformed_output(rng, db)
+        dt, msg, out, errors = run(text, d)
+        if dt > 0.1:
+            dt = min([dt] + [run(text, env.canonical_db(d))[0] for _ in range(2)])
+        worst = max(worst, dt)
+        assert dt < 0.1, (i, dt, text[:200])
+        assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+        assert len(out) == len(msg.get("tool_calls", []))
+        for m in out:
+            assert m["role"] == "tool" and isinstance(m["content"], str) and isinstance(m["name"], str)
+            if m["content"].startswith("Error"):
+                assert len(m["content"]) <= env.MAX_ERROR_CHARS
+        n_calls, n_err = n_calls + len(out), n_err + errors
+        kinds.update(m["content"][:40] for m in out if m["content"].startswith("Error"))
+    print(f"fuzz: {FUZZ_N} outputs, {n_calls} calls, {n_err} errors, slowest output {worst * 1000:.1f} ms")
+    assert n_calls > FUZZ_N and 0 < n_err < n_calls  # the generator reaches the tools, and some calls succeed
+    assert any("too large" in k or "nested deeper" in k for k in kinds)  # calculate bombs were among them
+
+
 def test_two_calls_execute_in_order(db):
     o = next(o for o in db["orders"].values() if o["status"] == "pending")
     oid = o["order_id"]
