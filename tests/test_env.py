@@ -215,6 +215,83 @@ def test_load_db_errors(tmp_path):
         env.load_db(p)
 
 
+def _broken(db, how):
+    """A copy of db with one record broken; -> (db, the record, the field) an error must name."""
+    d = copy.deepcopy(db)
+    uid, u = next((k, u) for k, u in d["users"].items() if u["orders"])
+    oid = u["orders"][0]
+    o = d["orders"][oid]
+    pid, p = next(iter(d["products"].items()))
+    vid = next(iter(p["variants"]))
+    if how == "price a string":
+        p["variants"][vid]["price"] = "12.50"
+        return d, f"products['{pid}'].variants['{vid}']", "price"
+    if how == "available a string":
+        p["variants"][vid]["available"] = "yes"
+        return d, f"variants['{vid}']", "available"
+    if how == "amount a string":
+        o["payment_history"][0]["amount"] = "10"
+        return d, f"orders['{oid}'].payment_history[0]", "amount"
+    if how == "balance null":
+        m = next(m for u in d["users"].values() for m in u["payment_methods"].values() if "balance" in m)
+        m["balance"] = None
+        return d, f"payment_methods['{m['id']}']", "balance"
+    if how == "orders not a list":
+        u["orders"] = oid
+        return d, f"users['{uid}']", "orders"
+    if how == "unknown status":
+        o["status"] = "shipped"
+        return d, f"orders['{oid}']", "status"
+    if how == "order of a missing user":
+        o["user_id"] = "nobody_1234"
+        return d, f"orders['{oid}']", "user_id"
+    if how == "order not listed by its user":
+        u["orders"].remove(oid)
+        return d, f"orders['{oid}']", "user_id"
+    if how == "user lists a missing order":
+        del d["orders"][oid]
+        return d, f"users['{uid}']", "orders[0]"
+    if how == "item of a missing product":
+        o["items"][0]["product_id"] = "0000000000"
+        return d, f"orders['{oid}'].items[0]", "product_id"
+    if how == "item not a variant of its product":
+        o["items"][0]["item_id"] = "0000000000"
+        return d, f"orders['{oid}'].items[0]", "item_id"
+    if how == "payment with another user's method":
+        other = next(m for k, v in d["users"].items() if k != uid for m in v["payment_methods"])
+        o["payment_history"][0]["payment_method_id"] = other
+        return d, f"orders['{oid}'].payment_history[0]", "payment_method_id"
+    if how == "key differs from id":
+        p["variants"][vid]["item_id"] = "1"
+        return d, f"variants['{vid}']", "item_id"
+    raise ValueError(how)
+
+
+BROKEN = ["price a string", "available a string", "amount a string", "balance null", "orders not a list",
+          "unknown status", "order of a missing user", "order not listed by its user", "user lists a missing order",
+          "item of a missing product", "item not a variant of its product", "payment with another user's method",
+          "key differs from id"]
+
+
+@pytest.mark.parametrize("how", BROKEN)
+def test_load_db_checks_types_and_references(how, tmp_path):
+    good = synth.generate_shop(SEED, n_users=10)
+    p = tmp_path / "shop.json"
+    p.write_text(json.dumps(good))
+    env.load_db(p)  # the generated shop itself is fine
+    bad, record, field = _broken(good, how)
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError) as e:
+        env.load_db(p)
+    msg = str(e.value)
+    assert str(p) in msg and record in msg and field in msg, msg
+
+
+def test_tau2_db_keeps_every_checked_reference():
+    need_tau2()
+    env.load_db(TAU2 / "db.json")  # loads: it breaks none of the checks
+
+
 @pytest.mark.parametrize("name, args, needle", [
     ("get_order_details", '{"order_id": ', "Invalid JSON"),
     ("get_order_details", "[1, 2]", "JSON object"),
