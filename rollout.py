@@ -26,6 +26,7 @@ no name, unknown tool, wrong arguments) is answered with an error message and th
 Sections: models and checkpoints -> chat rendering -> parsing -> log-probs -> generation backends -> episodes
 -> chat backends for the other LLM roles -> distributed runs and logging.
 """
+import collections
 import concurrent.futures
 import http.client
 import importlib.util
@@ -484,6 +485,7 @@ class Episode:
     tool_errors: int = 0
     end_reason: str = ""                # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error
     errored: bool = False               # the user simulator failed: exclude from scores, do not count as 0
+    error: str = ""                     # why it errored (the user simulator's message), when known
     kind: str = ""
     db: dict = None                     # this episode's own database (final state)
 
@@ -594,6 +596,23 @@ def _check_users(eps, users, idx):
         if users[i].done and not eps[i].end_reason:
             eps[i].end_reason = users[i].end_reason
             eps[i].errored = users[i].error is not None
+            eps[i].error = str(users[i].error or "")
+
+
+def errored_reasons(eps):
+    """Counter of why episodes errored, for run summaries: each one's error message (digits blanked, so that
+    "after 3 attempt(s)" or a port number does not split one cause into many), or its end reason."""
+    return collections.Counter(re.sub(r"\d+", "N", e.error)[:160] if e.error else (e.end_reason or "unknown")
+                               for e in eps if e.errored)
+
+
+def errored_summary(eps):
+    """'' when no episode errored, else one line: how many and why, most common reason first."""
+    why = errored_reasons(eps)
+    if not why:
+        return ""
+    return f"{sum(why.values())} of {len(eps)} episodes errored (not scored): " + "; ".join(
+        f"{n}x {reason}" for reason, n in why.most_common())
 
 
 # ----------------------------------------------------------------------------------------------------
