@@ -73,9 +73,34 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
         f.write(name)
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
     done = sorted(d for d in os.listdir(out_dir) if d.startswith("step_") and not d.endswith(".tmp"))
-    for old in done[:-2]:  # keep the newest two
+    # keep the one just written (`latest` names it) and the newest other: ordering by step number alone kept an
+    # earlier run's higher steps and deleted the new checkpoint that `latest` had just been pointed at
+    for old in [d for d in done if d != name][:-1]:
         shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     return final
+
+
+RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # plus step_* folders
+
+
+def claim_run_dir(out, resume, overwrite):
+    """Before a run starts (rank 0 only): a run that does not --resume must not write into an earlier run's
+    folder, whose checkpoints and metrics would mix with its own. -> None when the run may go on, else the
+    one-line message for parser.error. With overwrite, the earlier run's files are deleted first (only
+    those: anything else in the folder is left alone)."""
+    if resume or not os.path.isdir(out):
+        return None
+    found = sorted(f for f in os.listdir(out) if f in RUN_FILES or f.startswith("step_"))
+    if not found:
+        return None
+    if not overwrite:
+        return (f"--out {out} already holds a run ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}): "
+                "add --resume to continue it, or --overwrite to delete it and start afresh")
+    for f in found:
+        p = os.path.join(out, f)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    print(f"--overwrite: deleted the earlier run in {out} ({len(found)} entries)", flush=True)
+    return None
 
 
 def resolve_checkpoint(path):
@@ -86,9 +111,36 @@ def resolve_checkpoint(path):
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_checkpoint(path, named_by=None):
+    """Fail with a plain message before transformers does with a confusing one ("Repo id must be in the form
+    ..." for a missing folder). A path that looks local (it exists, starts with '.', '/' or '~', or has two
+    or more separators) must be a folder with a config and a tokenizer. A name with one '/' may be a hub id
+    (Qwen/Qwen3-8B), so it is left to from_pretrained (load_model reports its failure the same way)."""
+    where = f" (named by {named_by})" if named_by else ""
+    looks_local = os.path.exists(path) or path.startswith((".", os.sep, "~")) or path.count(os.sep) >= 2
+    if not looks_local:
+        return
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path}{where}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no checkpoint at {path}{where}: the folder has no config.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path}{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                                "tokenizer beside the model (tok.save_pretrained) or point at a folder that has one")
+
+
 def load_model(path, dtype=torch.float32, device="cpu"):
-    path = resolve_checkpoint(path)
-    tok = AutoTokenizer.from_pretrained(path)
+    run_dir, path = str(path), str(resolve_checkpoint(path))
+    check_checkpoint(path, named_by=os.path.join(run_dir, "latest") if path != run_dir else None)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:  # a one-slash name that is neither a local folder nor a model on the hub
+        if os.path.isdir(path):
+            raise
+        raise FileNotFoundError(f"no checkpoint at {path}: not a local folder, nor a hub model ({e})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
@@ -600,10 +652,11 @@ def _check_users(eps, users, idx):
 
 
 def errored_reasons(eps):
-    """Counter of why episodes errored, for run summaries: each one's error message (digits blanked, so that
+    """Counter of why episodes errored, for run summaries: each one's error message (numbers blanked, so that
     "after 3 attempt(s)" or a port number does not split one cause into many), or its end reason."""
-    return collections.Counter(re.sub(r"\d+", "N", e.error)[:160] if e.error else (e.end_reason or "unknown")
-                               for e in eps if e.errored)
+    why = (re.sub(r"(?<![A-Za-z])\d+", "N", e.error)[:160] if e.error else (e.end_reason or "unknown")
+           for e in eps if e.errored)
+    return collections.Counter(why)
 
 
 def errored_summary(eps):
@@ -870,7 +923,21 @@ def open_metrics(path, start_step):
     """The run's metrics JSONL for appending; on resume, lines logged after the checkpoint (their steps are
     about to be redone) are dropped first."""
     if os.path.exists(path):
-        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        lines = open(path).read().split("\n")
+        last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
+        keep = []
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                if n == last:  # torn by a kill mid-write; its step is redone anyway
+                    print(f"warning: {path}:{n + 1}: dropped a torn last line ({e.msg})", flush=True)
+                    continue
+                raise ValueError(f"{path}:{n + 1}: not a JSON line ({e.msg}); fix or remove that line") from None
+            if rec.get("step", 0) <= start_step:
+                keep.append(line + "\n")
         with open(path + ".tmp", "w") as f:
             f.writelines(keep)
         os.replace(path + ".tmp", path)

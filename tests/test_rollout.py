@@ -5,6 +5,7 @@ and the optional vLLM sampler."""
 import collections
 import copy
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -733,3 +734,70 @@ def test_vllm_weight_push(vllm_world, engine):
     gen.load_weights(model)
     eps = rollout.run_episodes(gen, tok, tasks[:2], db, rollout.make_user_factory(), max_turns=2, max_new_tokens=32)
     assert _max_logprob_gap(model, eps) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints and run folders
+
+
+def test_pruner_never_deletes_the_checkpoint_latest_names(tok, model, tmp_path):
+    """A rerun into an old run's folder: its step 100 is written next to the old 300 and 400. Keeping the two
+    highest step numbers deleted step 100 right after `latest` was pointed at it."""
+    for step in (300, 400, 100):
+        rollout.save_checkpoint(str(tmp_path), step, model, tok)
+    latest = (tmp_path / "latest").read_text().strip()
+    assert latest == "step_000100" and (tmp_path / latest).is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_000100", "step_000400"]
+    rollout.save_checkpoint(str(tmp_path), 200, model, tok)  # the newest two of the new run from here on
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_000200", "step_000400"]
+
+
+def test_claim_run_dir(tmp_path):
+    out = tmp_path / "run"
+    assert rollout.claim_run_dir(str(out), resume=False, overwrite=False) is None  # absent: fine
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert rollout.claim_run_dir(str(out), resume=False, overwrite=False) is None  # no run in it: fine
+    (out / "step_000010").mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "latest").write_text("step_000010")
+    msg = rollout.claim_run_dir(str(out), resume=False, overwrite=False)
+    assert "--resume" in msg and "--overwrite" in msg and str(out) in msg and "\n" not in msg
+    assert rollout.claim_run_dir(str(out), resume=True, overwrite=False) is None
+    assert (out / "latest").exists()
+    assert rollout.claim_run_dir(str(out), resume=False, overwrite=True) is None
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # the run's files only
+
+
+def test_open_metrics_torn_lines(tmp_path, capsys):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # killed mid-write
+    rollout.open_metrics(str(p), 2).close()
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert "torn last line" in capsys.readouterr().out
+    p.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2:"):
+        rollout.open_metrics(str(p), 2)
+
+
+def test_load_model_messages(tok, model, tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {tmp_path}/missing/sft"):
+        rollout.load_model(str(tmp_path / "missing" / "sft"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*afile"):
+        rollout.load_model(str(tmp_path / "afile"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint at ./nowhere"):
+        rollout.load_model("./nowhere")
+    # a run folder whose `latest` names a checkpoint that is gone
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest").write_text("step_000007")
+    with pytest.raises(FileNotFoundError, match=r"step_000007 \(named by .*latest\)"):
+        rollout.load_model(str(tmp_path / "run"))
+    # a folder with the model but no tokenizer
+    rollout.save_checkpoint(str(tmp_path / "ck"), 1, model, tok)
+    ck = tmp_path / "ck" / "step_000001"
+    for f in ck.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            f.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{ck}.*has no tokenizer"):
+        rollout.load_model(str(ck))
