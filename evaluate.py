@@ -26,7 +26,8 @@ from math import comb
 import torch
 
 import env
-from rollout import HFGenerator, VLLMGenerator, load_model, make_user_factory, resolve_checkpoint, run_episodes
+from rollout import (HFGenerator, VLLMGenerator, errored_reasons, errored_summary, load_model, make_user_factory,
+                     resolve_checkpoint, run_episodes)
 
 
 def pass_hat_k(outcomes, k):
@@ -71,6 +72,8 @@ def summarize(eps, ks):
             out[group][f"pass^{k}"] = pass_hat_k(outcomes, k)
             out[group][f"pass@{k}"] = pass_at_k(outcomes, k)
     out["all"]["errored"] = sum(e.errored for e in eps)
+    if out["all"]["errored"]:
+        out["all"]["errored_reasons"] = dict(errored_reasons(eps))
     return out
 
 
@@ -130,7 +133,14 @@ def main(argv=None):
                    help="the LLM user's guidelines (default: tau2's beside --tasks, else env.py's fallback)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default="out/eval", help="results.json, results.md and a transcript JSONL per model")
-    return run(**vars(p.parse_args(argv)))
+    a = p.parse_args(argv)
+    for flag, ok, allowed in [
+            ("--k", a.k >= 1, ">= 1"), ("--temperature", a.temperature >= 0, ">= 0 (0: greedy)"),
+            ("--n-tasks", a.n_tasks is None or a.n_tasks >= 1, ">= 1"), ("--max-turns", a.max_turns >= 1, ">= 1"),
+            ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2")]:
+        if not ok:
+            p.error(f"{flag} must be {allowed} (got {getattr(a, flag[2:].replace('-', '_'))})")
+    return run(**vars(a))
 
 
 def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
@@ -138,7 +148,10 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
     torch.manual_seed(seed)
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
-    test = env.load_tasks(tasks or os.path.join(data_dir, "test_tasks.jsonl"))[:n_tasks]
+    tasks_path = tasks or os.path.join(data_dir, "test_tasks.jsonl")
+    test = env.load_tasks(tasks_path)[:n_tasks]
+    if not test:
+        raise SystemExit(f"evaluate.py: no tasks in {tasks_path}")
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(out, exist_ok=True)
@@ -157,6 +170,8 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
         a = results[name]["all"]
         print(f"{name}: pass^1 {_fmt(a['pass^1'])} over {a['n']} tasks, pass@{k} {_fmt(a[f'pass@{k}'])} "
               f"(solved in at least one of {k} trials), {a['errored']} errored episodes", flush=True)
+        if a["errored"]:
+            print(f"  {name}: {errored_summary(eps)}", flush=True)
         del model, gen
     table = markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1])
     print(table)
