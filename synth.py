@@ -87,7 +87,8 @@ def main(argv=None):
     shop = os.path.join(args.data_dir, "shop.json")
     out = args.out or os.path.join(args.data_dir, "sft.jsonl")
     if not tasks:
-        sys.exit(f"synth.py: no train tasks in {os.path.join(args.data_dir, 'train_tasks.jsonl')}; {out} left as it was")
+        where = os.path.join(args.data_dir, "train_tasks.jsonl")
+        sys.exit(f"synth.py: no train tasks in {where}; {out} left as it was")
     # a task whose own gold actions fail is broken: doing nothing would match its gold state, so an episode
     # whose write failed would score 1 and be kept as a success. Such tasks are not played.
     broken = {t["id"]: gold_failure(t, db) for t in tasks}
