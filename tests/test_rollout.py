@@ -737,6 +737,58 @@ def test_vllm_weight_push(vllm_world, engine):
 
 
 # ----------------------------------------------------------------------------------------------------
+# sampling at temperatures other than 1, and with top-p: what is stored is what the trainer recomputes
+
+
+def stored_vs_trainer(model, tok, tasks, db, temperature, top_p):
+    """Episodes sampled by HFGenerator at (temperature, top_p) -> [(stored log-prob, trainer's log-prob, the
+    trainer's tempered distribution at that position, sampled token)] over every policy token."""
+    import grpo
+    eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, tasks, db, scripted, max_new_tokens=30,
+                               max_turns=3, temperature=temperature, top_p=top_p, seed=7)
+    rows = []
+    for ep in eps:
+        ids = torch.tensor([ep.ids])
+        with torch.no_grad():
+            new, _ = grpo.forward_logprobs(model, ids, torch.ones_like(ids), temperature)
+            logits = model(input_ids=ids).logits[0].float()
+            again = rollout.logprobs_from_logits(logits[None], ids, temperature)[0][0]
+        assert torch.allclose(new[0], again, atol=1e-6)  # the two trainer paths agree
+        probs = torch.softmax(logits / temperature, -1)
+        for t in range(1, len(ep.ids)):
+            if ep.loss_mask[t]:
+                rows.append((ep.logprobs[t], float(new[0, t - 1]), probs[t - 1], ep.ids[t]))
+    assert len(rows) > 50
+    return rows
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_stored_logprobs_match_the_trainer_at_any_temperature(temperature, model, tok, tasks, db):
+    rows = stored_vs_trainer(model, tok, tasks[::4][:4], db, temperature, 1.0)
+    gap = max(abs(a - b) for a, b, _, _ in rows)
+    assert gap < 1e-4, gap
+    # and the temperature was really applied: the untempered log-probs differ
+    rows1 = [(a, float(torch.log(p ** temperature / (p ** temperature).sum())[tk])) for a, _, p, tk in rows]
+    assert max(abs(a - b) for a, b in rows1) > 1e-2
+
+
+def test_top_p_stores_the_untruncated_tempered_logprob(model, tok, tasks, db):
+    """With top_p < 1 the sampler draws only from the nucleus, but what it stores (and what GRPO's ratio compares
+    against) is the log-prob under the full tempered softmax, not under the renormalised nucleus."""
+    top_p, temperature = 0.5, 1.5
+    rows = stored_vs_trainer(model, tok, tasks[::4][:4], db, temperature, top_p)
+    assert max(abs(a - b) for a, b, _, _ in rows) < 1e-4
+    renormalised = 0
+    for stored, _, p, token in rows:
+        sp, si = p.sort(descending=True)
+        rank = int((si == token).nonzero())
+        assert float(sp[:rank].sum()) < top_p + 1e-5  # sampled inside the nucleus
+        nucleus = float(sp[:int(((sp.cumsum(0) - sp) < top_p).sum())].sum())
+        renormalised += abs(stored - (float(torch.log(p[token])) - math.log(nucleus))) > 1e-3
+    assert renormalised > len(rows) // 2  # the stored value is not the nucleus-renormalised one
+
+
+# ----------------------------------------------------------------------------------------------------
 # checkpoints and run folders
 
 

@@ -386,3 +386,47 @@ def test_rerun_into_a_run_folder_needs_resume_or_overwrite(small_data, tmp_path,
     assert "deleted the earlier run" in capsys.readouterr().out
     assert (out / "latest").read_text().strip() == "step_000002" and (out / "step_000002").is_dir()
     assert not (out / "step_000004").exists() and [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_micro_loss_is_the_masked_nll(conversations):
+    """micro_loss checked directly: its value is the NLL of exactly the agent tokens (mask 1) summed and divided by
+    the global count, its gradient reaches only the logits that predict an agent token, and a non-agent target
+    can change without changing it."""
+    tok, model = sft.make_tiny(conversations[:20], 400, 32, 1, 2, SEED)
+    batch = [rollout.encode_conversation(tok, c["messages"], c["tools"]) for c in conversations[20:23]]
+    assert len({len(i) for i, _ in batch}) > 1 and all(sum(m) for _, m in batch)  # right padding is exercised
+    tail = rollout.encode(tok, "<|im_start|>user\nThanks, bye. ###STOP###<|im_end|>\n")  # a user turn after the last
+    batch[0] = (batch[0][0] + tail, batch[0][1] + [0] * len(tail))  # agent turn: masked, and followed by nothing
+    total = 1000.0
+    seen = []
+
+    def keep(module, inputs, out):  # returns None: the output is left as it is
+        out.retain_grad()
+        seen.append(out)
+    hook = model.lm_head.register_forward_hook(keep)
+    loss = sft.micro_loss(model, batch, total, "cpu")
+    loss.backward()
+    hook.remove()
+    want = 0.0
+    for b, (ids, mask) in enumerate(batch):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        want -= sum(float(logp[t - 1, ids[t]]) for t in range(1, len(ids)) if mask[t])
+        per_pos = seen[0].grad[b].abs().sum(-1)  # position t predicts token t + 1
+        for t in range(per_pos.shape[0]):
+            if t + 1 < len(ids) and mask[t + 1]:
+                assert per_pos[t] > 0, (b, t)
+            else:
+                assert per_pos[t] == 0, (b, t)  # system, user, tool tokens and padding carry no gradient
+    assert float(loss) == pytest.approx(want / total, rel=1e-5)
+    # a target after the last agent token is neither trained on nor read by any agent token: the loss ignores it
+    ids, mask = batch[0]
+    last_agent = max(k for k, m in enumerate(mask) if m)
+    changed = list(ids)
+    changed[-1] = (changed[-1] + 7) % len(tok)
+    assert last_agent < len(ids) - 1
+    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu")) == float(loss)
+    changed = list(ids)
+    changed[last_agent] = (changed[last_agent] + 7) % len(tok)  # an agent target: the loss moves
+    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu")) != pytest.approx(float(loss))
+    model.zero_grad()
