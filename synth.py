@@ -72,6 +72,13 @@ def main(argv=None):
     g.add_argument("--db", default=None, help="with --mcp-server: the db.json to serve")
     g.add_argument("--max-episodes", type=int, default=16, help="with --mcp-server: episode dbs kept at once")
     args = p.parse_args(argv)
+    for flag, ok, allowed in [
+            ("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1"), ("--n-users", args.n_users >= 1, ">= 1"),
+            ("--n-train", args.n_train >= 1, ">= 1"), ("--n-test", args.n_test >= 1, ">= 1"),
+            ("--max-turns", args.max_turns >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
+            ("--max-episodes", args.max_episodes >= 1, ">= 1")]:
+        if not ok:
+            p.error(f"{flag} must be {allowed} (got {getattr(args, flag[2:].replace('-', '_'))})")
     if args.mcp_server:
         if not args.db:
             p.error("--mcp-server needs --db PATH")

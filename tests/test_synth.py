@@ -718,3 +718,13 @@ def test_mcp_server_dying_keeps_finished_episodes(made, tmp_path, monkeypatch, c
     rows = read_jsonl(data / "sft.jsonl")
     assert sorted(r["task_id"] for r in rows) == ["train_0", "train_1"]
     assert mcp_server_pids(str(data)) == []
+
+
+@pytest.mark.parametrize("flag, value", [("n_tasks", 0), ("max_turns", 0), ("chunk", 0), ("n_train", 0)])
+def test_bad_arguments_name_the_flag_and_range(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        util.run_main(synth, data_dir=tmp_path / "data", **{flag: value})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--" + flag.replace("_", "-") + " must be >= 1" in err, err
+    assert not (tmp_path / "data").exists()
