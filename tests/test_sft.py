@@ -407,6 +407,7 @@ def test_micro_loss_is_the_masked_nll(conversations):
     loss = sft.micro_loss(model, batch, total, "cpu")
     loss.backward()
     hook.remove()
+    loss = loss.detach()
     want = 0.0
     for b, (ids, mask) in enumerate(batch):
         with torch.no_grad():
