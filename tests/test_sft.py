@@ -426,8 +426,8 @@ def test_micro_loss_is_the_masked_nll(conversations):
     changed = list(ids)
     changed[-1] = (changed[-1] + 7) % len(tok)
     assert last_agent < len(ids) - 1
-    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu")) == float(loss)
+    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu").detach()) == float(loss)
     changed = list(ids)
     changed[last_agent] = (changed[last_agent] + 7) % len(tok)  # an agent target: the loss moves
-    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu")) != pytest.approx(float(loss))
+    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu").detach()) != pytest.approx(float(loss))
     model.zero_grad()
