@@ -108,37 +108,137 @@ def _require(obj, kind, where, path):
     if missing:
         raise ValueError(f"{path}: {where} is missing {', '.join(repr(k) for k in missing)}")
 
-def _check_db(raw, path):
+STATUSES = ("processed", "pending", "pending (item modified)", "delivered", "cancelled", "exchange requested",
+            "return requested")  # the only ones tau2's Order model allows
+
+def _is_num(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+def _is_strs(x):
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+_TYPES = {"str": (lambda x: isinstance(x, str), "a string"), "num": (_is_num, "a number"),
+          "bool": (lambda x: isinstance(x, bool), "true or false"), "strs": (_is_strs, "a list of strings"),
+          "list": (lambda x: isinstance(x, list), "a list"), "obj": (lambda x: isinstance(x, dict), "an object"),
+          "str?": (lambda x: x is None or isinstance(x, str), "a string or null"),
+          "num?": (lambda x: x is None or _is_num(x), "a number or null"),
+          "strs?": (lambda x: x is None or _is_strs(x), "a list of strings or null")}
+
+def _types(obj, where, path, **fields):
+    """Each field of obj must be of its kind in _TYPES (a wrong type would break a tool, or a gold replay, later)."""
+    for k, kind in fields.items():
+        ok, want = _TYPES[kind]
+        if not ok(obj.get(k)):
+            raise ValueError(f"{path}: {where}.{k} should be {want}, got {json.dumps(obj.get(k), default=str)[:60]}")
+
+def _same_id(key, obj, field, where, path):
+    if obj[field] != key:
+        raise ValueError(f"{path}: {where}.{field} is {obj[field]!r} but the record is filed under {key!r}")
+
+def _shape(raw, path):
+    """Required keys and value types of every record."""
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: top level should be an object with products, users, orders")
     for table in ("products", "users", "orders"):
         if not isinstance(raw.get(table), dict):
             raise ValueError(f"{path}: missing top-level object {table!r}")
     for pid, p in raw["products"].items():
-        _require(p, "product", f"products[{pid!r}]", path)
+        w = f"products[{pid!r}]"
+        _require(p, "product", w, path)
+        _types(p, w, path, name="str", product_id="str", variants="obj")
+        _same_id(pid, p, "product_id", w, path)
         for vid, v in p["variants"].items():
-            _require(v, "variant", f"products[{pid!r}].variants[{vid!r}]", path)
+            vw = f"{w}.variants[{vid!r}]"
+            _require(v, "variant", vw, path)
+            _types(v, vw, path, item_id="str", options="obj", available="bool", price="num")
+            _same_id(vid, v, "item_id", vw, path)
     for uid, u in raw["users"].items():
         w = f"users[{uid!r}]"
         _require(u, "user", w, path)
+        _types(u, w, path, user_id="str", name="obj", address="obj", email="str", payment_methods="obj",
+               orders="strs")
+        _same_id(uid, u, "user_id", w, path)
         _require(u["name"], "name", w + ".name", path)
+        _types(u["name"], w + ".name", path, first_name="str", last_name="str")
         _require(u["address"], "address", w + ".address", path)
+        _types(u["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
         for mid, m in u["payment_methods"].items():
+            mw = f"{w}.payment_methods[{mid!r}]"
             fields = PAYMENT_FIELDS.get(m.get("source") if isinstance(m, dict) else None)
             if fields is None:
-                raise ValueError(f"{path}: {w}.payment_methods[{mid!r}] has no valid 'source'")
+                raise ValueError(f"{path}: {mw} has no valid 'source'")
             if any(k not in m for k in fields):
-                raise ValueError(f"{path}: {w}.payment_methods[{mid!r}] is missing one of {fields}")
+                raise ValueError(f"{path}: {mw} is missing one of {fields}")
+            _types(m, mw, path, **{k: "num" if k == "balance" else "str" for k in fields})
+            _same_id(mid, m, "id", mw, path)
     for oid, o in raw["orders"].items():
         w = f"orders[{oid!r}]"
         _require(o, "order", w, path)
+        _types(o, w, path, order_id="str", user_id="str", address="obj", items="list", status="str",
+               fulfillments="list", payment_history="list", cancel_reason="str?", exchange_items="strs?",
+               exchange_new_items="strs?", exchange_payment_method_id="str?", exchange_price_difference="num?",
+               return_items="strs?", return_payment_method_id="str?")
+        _same_id(oid, o, "order_id", w, path)
+        if o["status"] not in STATUSES:
+            raise ValueError(f"{path}: {w}.status is {o['status']!r}, not one of {', '.join(STATUSES)}")
         _require(o["address"], "address", w + ".address", path)
+        _types(o["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
         for i, it in enumerate(o["items"]):
             _require(it, "item", f"{w}.items[{i}]", path)
+            _types(it, f"{w}.items[{i}]", path, name="str", product_id="str", item_id="str", price="num",
+                   options="obj")
         for i, f in enumerate(o["fulfillments"]):
             _require(f, "fulfillment", f"{w}.fulfillments[{i}]", path)
+            _types(f, f"{w}.fulfillments[{i}]", path, tracking_id="strs", item_ids="strs")
         for i, p in enumerate(o["payment_history"]):
-            _require(p, "payment", f"{w}.payment_history[{i}]", path)
+            pw = f"{w}.payment_history[{i}]"
+            _require(p, "payment", pw, path)
+            _types(p, pw, path, transaction_type="str", amount="num", payment_method_id="str")
+            if p["transaction_type"] not in ("payment", "refund"):
+                raise ValueError(f"{path}: {pw}.transaction_type is {p['transaction_type']!r}, not payment or refund")
+
+def _references(raw, path):
+    """Every id a record names must exist, and the two sides of the user-order link must agree. tau2's own
+    db.json keeps all of these; a broken one makes gold actions fail, so 'did nothing' would match the gold
+    state and a failed write would be kept as a success."""
+    users, orders, products = raw["users"], raw["orders"], raw["products"]
+    for oid, o in orders.items():
+        w = f"orders[{oid!r}]"
+        user = users.get(o["user_id"])
+        if user is None:
+            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not exist")
+        if oid not in user["orders"]:
+            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not list this order in its orders")
+        for i, it in enumerate(o["items"]):
+            if it["product_id"] not in products:
+                raise ValueError(f"{path}: {w}.items[{i}].product_id: product {it['product_id']!r} does not exist")
+            if it["item_id"] not in products[it["product_id"]]["variants"]:
+                raise ValueError(f"{path}: {w}.items[{i}].item_id: item {it['item_id']!r} is not a variant of "
+                                 f"product {it['product_id']!r}")
+        ids = {it["item_id"] for it in o["items"]}
+        for i, f in enumerate(o["fulfillments"]):
+            for iid in f["item_ids"]:
+                if iid not in ids:
+                    raise ValueError(f"{path}: {w}.fulfillments[{i}].item_ids: item {iid!r} is not in the order")
+        methods = user["payment_methods"]
+        named = [(f"payment_history[{i}].payment_method_id", p["payment_method_id"])
+                 for i, p in enumerate(o["payment_history"])]
+        named += [(k, o.get(k)) for k in ("exchange_payment_method_id", "return_payment_method_id") if o.get(k)]
+        for field, mid in named:
+            if mid not in methods:
+                raise ValueError(f"{path}: {w}.{field}: payment method {mid!r} is not one of user "
+                                 f"{o['user_id']!r}'s")
+    for uid, u in users.items():
+        for k, oid in enumerate(u["orders"]):
+            if oid not in orders:
+                raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} does not exist")
+            if orders[oid]["user_id"] != uid:
+                raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} belongs to "
+                                 f"{orders[oid]['user_id']!r}")
+
+def _check_db(raw, path):
+    _shape(raw, path)
+    _references(raw, path)
 
 def _floatify(db):
     # pydantic's float fields turn JSON ints into floats at load time; the hash depends on it
@@ -159,7 +259,8 @@ def _floatify(db):
     return db
 
 def load_db(path):
-    """Load a retail db.json as tau2 would: shape-checked, floats coerced, canonical form."""
+    """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the
+    record and the field), floats coerced, canonical form."""
     with open(path) as f:
         text = f.read()
     try:
@@ -176,6 +277,12 @@ class ToolError(Exception):
     """A tool refused the call; the message is what the agent sees after 'Error: '."""
 
 CALC_CHARS = set("0123456789+-*/(). ")
+# Bounds that keep one call far under 100 ms whatever the model writes (tau2's eval() has none: a chain of big
+# powers there runs for seconds, and its result could never become a float anyway). Any int past MAX_INT_BITS
+# is refused before it is computed; floats bound themselves (inf, or OverflowError like Python's).
+MAX_EXPR_CHARS = 1000
+MAX_INT_BITS = 4096   # ~1233 digits; a float holds at most ~1024 bits, so no finite answer needs more
+MAX_DEPTH = 100       # nested parentheses and unary signs (Python's parser stops at 200 parentheses)
 
 def _tokenize(expr):
     tokens, i = [], 0
@@ -207,25 +314,48 @@ def _tokenize(expr):
             i += 1
     return tokens
 
+def _bounded(v):
+    if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
+        raise ToolError("Invalid expression: result too large")
+    return v
+
+def _mul(a, b):
+    # refuse before multiplying: the product of two big ints is what made a 300-character chain take seconds
+    if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+        raise ToolError("Invalid expression: result too large")
+    return _bounded(a * b)
+
 def _pow(a, b):
     # Python ints are exact; refuse results so large that computing them would hang the episode
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and a.bit_length() * b > 10**6:
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and (a.bit_length() - 1) * b > MAX_INT_BITS:
         raise ToolError("Invalid expression: result too large")
-    return a ** b
+    return _bounded(a ** b)
 
-_BINOPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
+_BINOPS = {"+": lambda a, b: _bounded(a + b), "-": lambda a, b: _bounded(a - b), "*": _mul,
            "/": lambda a, b: a / b, "//": lambda a, b: a // b, "**": _pow}
 
 def _calc(expr):
     """Evaluate with Python's grammar: expr := term (+|- term)*, term := factor (*|/|// factor)*,
     factor := (+|-) factor | atom [** factor], atom := number | ( expr )."""
-    toks, pos = _tokenize(expr), 0
+    if len(expr) > MAX_EXPR_CHARS:
+        raise ToolError(f"Invalid expression: longer than {MAX_EXPR_CHARS} characters")
+    toks, pos, depth = _tokenize(expr), 0, 0
     peek = lambda: toks[pos] if pos < len(toks) else None
 
     def take():
         nonlocal pos
         pos += 1
         return toks[pos - 1]
+
+    def nest(f):
+        nonlocal depth
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise ToolError(f"Invalid expression: nested deeper than {MAX_DEPTH}")
+        try:
+            return f()
+        finally:
+            depth -= 1
 
     def expr_():
         v = term()
@@ -243,20 +373,20 @@ def _calc(expr):
 
     def factor():
         if peek() in ("+", "-"):
-            return -factor() if take() == "-" else +factor()
+            return -nest(factor) if take() == "-" else +nest(factor)
         v = atom()
         if peek() == "**":
             take()
-            v = _pow(v, factor())  # right-associative, and binds tighter than a unary minus on its left
+            v = _pow(v, nest(factor))  # right-associative, and binds tighter than a unary minus on its left
         return v
 
     def atom():
         t = peek()
         if isinstance(t, (int, float)):
-            return take()
+            return _bounded(take())
         if t == "(":
             take()
-            v = expr_()
+            v = nest(expr_)
             if peek() != ")":
                 raise ToolError("Invalid expression: missing ')'")
             take()
@@ -385,17 +515,19 @@ def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment
 
 def find_user_id_by_name_zip(db, first_name, last_name, zip):
     """Find a user id by first name, last name (case-insensitive) and exact zip code."""
+    first, last = first_name.lower(), last_name.lower()  # once, not per user: arguments can be huge
     for user_id, u in db["users"].items():
-        if (u["name"]["first_name"].lower() == first_name.lower()
-                and u["name"]["last_name"].lower() == last_name.lower()
+        if (u["name"]["first_name"].lower() == first
+                and u["name"]["last_name"].lower() == last
                 and u["address"]["zip"] == zip):
             return user_id
     raise ToolError("User not found")
 
 def find_user_id_by_email(db, email):
     """Find a user id by email (case-insensitive)."""
+    email = email.lower()
     for user_id, u in db["users"].items():
-        if u["email"].lower() == email.lower():
+        if u["email"].lower() == email:
             return user_id
     raise ToolError("User not found")
 
@@ -622,6 +754,15 @@ _PARAMS = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHE
 # -----------------------------------------------------------------------------
 # call_tool: the one entry point for episodes; it never raises
 
+MAX_ERROR_CHARS = 2000  # an error message quotes what the model wrote; never let it flood the context
+
+def _preview(value, n=80):
+    """The start of value as JSON, for an error message; never raises (deep nesting, ints past 4300 digits)."""
+    try:
+        return json.dumps(value, default=str)[:n]
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__} that cannot be shown>"
+
 def _type_error(name, arg, spec, value):
     if spec["type"] == _STR:
         ok = isinstance(value, str)
@@ -630,7 +771,7 @@ def _type_error(name, arg, spec, value):
     if ok:
         return None
     want = "a string" if spec["type"] == _STR else "an array of strings"
-    return f"Error: Argument '{arg}' of tool '{name}' must be {want}, got {json.dumps(value, default=str)[:80]}"
+    return f"Error: Argument '{arg}' of tool '{name}' must be {want}, got {_preview(value)}"
 
 def _check_args(name, arguments):
     """Return an error string, or None when arguments match the tool's schema."""
@@ -639,7 +780,7 @@ def _check_args(name, arguments):
     params = _PARAMS[name]
     for arg in arguments:
         if arg not in params["properties"]:
-            return (f"Error: Unexpected argument '{arg}' for tool '{name}'. "
+            return (f"Error: Unexpected argument '{str(arg)[:80]}' for tool '{name}'. "
                     f"Expected: {', '.join(params['required']) or 'no arguments'}")
     for arg in params["required"]:
         if arg not in arguments:
@@ -652,14 +793,14 @@ def _check_args(name, arguments):
 def check_call(name, arguments):
     """Decode and validate a call before anything runs. -> (arguments as a dict, None) or (None, 'Error: ...')."""
     if not isinstance(name, str) or name not in TOOLS:
-        return None, f"Error: Unknown tool '{name}'. Available tools: {', '.join(TOOL_NAMES)}"
+        return None, f"Error: Unknown tool '{str(name)[:80]}'. Available tools: {', '.join(TOOL_NAMES)}"
     if arguments is None:
         arguments = {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as e:
-            return None, f"Error: Invalid JSON in arguments of tool '{name}': {e}"
+        except (ValueError, RecursionError) as e:  # bad JSON, an int past 4300 digits, too deep a nesting
+            return None, f"Error: Invalid JSON in arguments of tool '{name}': {str(e)[:200]}"
     err = _check_args(name, arguments)
     return (None, err) if err else (arguments, None)
 
@@ -667,14 +808,14 @@ def check_call(name, arguments):
 def call_tool(db, name, arguments):
     """Run one tool on db in place. Returns (content, is_error), serialised as tau2 does:
     a plain string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
-    arguments, err = check_call(name, arguments)
-    if err:
-        return err, True
     try:
+        arguments, err = check_call(name, arguments)
+        if err:
+            return err[:MAX_ERROR_CHARS], True
         result = TOOLS[name](db, **arguments)
+        return (result if isinstance(result, str) else json.dumps(result, default=str)), False
     except Exception as e:  # ToolError and anything unexpected: tau2 also turns every exception into 'Error: <e>'
-        return f"Error: {e}", True
-    return (result if isinstance(result, str) else json.dumps(result, default=str)), False
+        return f"Error: {e}"[:MAX_ERROR_CHARS], True
 
 # -----------------------------------------------------------------------------
 # tasks: tau2's tasks.json (a JSON list) or our JSONL, one task per line

@@ -28,13 +28,14 @@ import math
 import os
 import re
 import tempfile
-from collections import Counter, defaultdict
+from collections import defaultdict
 from math import comb
 
 import torch
 
 import env
-from rollout import ChatAgent, agent_system_prompt, load_agent, make_user_factory, run_episodes
+from rollout import (ChatAgent, agent_system_prompt, errored_reasons, errored_summary, load_agent, make_user_factory,
+                     run_episodes)
 
 
 def pass_hat_k(outcomes, k):
@@ -79,9 +80,8 @@ def summarize(eps, ks):
             out[group][f"pass^{k}"] = pass_hat_k(outcomes, k)
             out[group][f"pass@{k}"] = pass_at_k(outcomes, k)
     out["all"]["errored"] = sum(e.errored for e in eps)
-    # why they errored, most common first (the reason's text up to its first colon groups alike failures)
-    why = Counter((e.error or e.end_reason).split(":")[0] for e in eps if e.errored)
-    out["all"]["errored_why"] = dict(why.most_common())
+    if out["all"]["errored"]:
+        out["all"]["errored_reasons"] = dict(errored_reasons(eps))
     return out
 
 
@@ -185,7 +185,16 @@ def main(argv=None):
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="results.json, results.md, a transcript JSONL per model (default: "
                                                 "out/eval, out/eval_bfcl)")
-    a = vars(p.parse_args(argv))
+    ns = p.parse_args(argv)
+    for flag, ok, allowed in [  # checked up front: one line naming the flag and what it may be
+            ("--k", ns.k >= 1, ">= 1"), ("--temperature", ns.temperature >= 0, ">= 0 (0: greedy)"),
+            ("--n-tasks", ns.n_tasks is None or ns.n_tasks >= 1, ">= 1"),
+            ("--max-turns", ns.max_turns is None or ns.max_turns >= 1, ">= 1"),
+            ("--max-new-tokens", ns.max_new_tokens >= 1, ">= 1"), ("--max-len", ns.max_len >= 2, ">= 2"),
+            ("--llm-concurrency", ns.llm_concurrency >= 1, ">= 1"), ("--llm-deadline", ns.llm_deadline > 0, "> 0")]:
+        if not ok:
+            p.error(f"{flag} must be {allowed} (got {getattr(ns, flag[2:].replace('-', '_'))})")
+    a = vars(ns)
     bench, bfcl_kw = a.pop("bench"), {k: a.pop(k) for k in ("categories", "n", "batch")}
     if bench == "bfcl":
         shared = ("models", "backend", "agent_model", "thinking", "temperature", "max_turns", "max_new_tokens",
@@ -201,7 +210,10 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     out, max_turns = out or "out/eval", max_turns or 16
     torch.manual_seed(seed)
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
-    test = env.load_tasks(tasks or os.path.join(data_dir, "test_tasks.jsonl"))[:n_tasks]
+    tasks_path = tasks or os.path.join(data_dir, "test_tasks.jsonl")
+    test = env.load_tasks(tasks_path)[:n_tasks]
+    if not test:
+        raise SystemExit(f"evaluate.py: no tasks in {tasks_path}")
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
                                   concurrency=llm_concurrency, deadline=llm_deadline)
     system_prompt = agent_system_prompt(policy_file, tasks)
@@ -224,8 +236,9 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
         results[name] = summarize(eps, ks)
         a = results[name]["all"]
         print(f"{name}: pass^1 {_fmt(a['pass^1'])} over {a['n']} tasks, pass@{k} {_fmt(a[f'pass@{k}'])} "
-              f"(solved in at least one of {k} trials), {a['errored']} errored episodes"
-              + (f" (left out of pass^k; why: {a['errored_why']})" if a["errored"] else ""), flush=True)
+              f"(solved in at least one of {k} trials), {a['errored']} errored episodes", flush=True)
+        if a["errored"]:
+            print(f"  {name}: {errored_summary(eps)}", flush=True)
         del gen
     write_results(out, results, markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1]))
     return results

@@ -27,6 +27,7 @@ What is simplified, and why:
    and clipping only matters when you ask for more.
 """
 import argparse
+import collections
 import copy
 import json
 import os
@@ -38,8 +39,9 @@ from tqdm import tqdm
 
 import env
 from rollout import (HFGenerator, VLLMGenerator, agent_system_prompt, all_reduce_max, all_reduce_sum, autocast,
-                     load_model, logprobs_from_logits, make_user_factory, open_metrics, pad_batch, resolve_checkpoint,
-                     run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap)
+                     claim_run_dir, errored_reasons, load_model, logprobs_from_logits, make_user_factory, open_metrics,
+                     pad_batch, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed,
+                     unwrap)
 
 
 def main(argv=None):
@@ -89,7 +91,27 @@ def main(argv=None):
     g.add_argument("--save-every", type=int, default=10, help="checkpoint every n steps (and at the end)")
     g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     g.add_argument("--wandb", default=None, help="a wandb project name, if wandb is installed")
-    return train(**vars(p.parse_args(argv)))
+    g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
+    a = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    for flag, ok, allowed in [  # checked up front: a bad value used to give NaN, no update or no checkpoint
+            ("--temperature", a.temperature > 0, "> 0 (GRPO's ratio divides the logits by it)"),
+            ("--group", a.group >= 2, ">= 2 (a group of one has no spread, so never an update)"),
+            ("--batch-tasks", a.batch_tasks >= world, f">= the number of ranks ({world})"),
+            ("--steps", a.steps >= 1, ">= 1"), ("--max-turns", a.max_turns >= 1, ">= 1"),
+            ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
+            ("--lr", a.lr > 0, "> 0"), ("--clip", a.clip > 0, "> 0"), ("--beta", a.beta >= 0, ">= 0"),
+            ("--ppo-epochs", a.ppo_epochs >= 1, ">= 1"), ("--mini-batches", a.mini_batches >= 1, ">= 1"),
+            ("--micro-batch", a.micro_batch >= 1, ">= 1"), ("--grad-clip", a.grad_clip > 0, "> 0"),
+            ("--save-every", a.save_every >= 1, ">= 1")]:
+        if not ok:
+            p.error(f"{flag} must be {allowed} (got {getattr(a, flag[2:].replace('-', '_'))})")
+    if os.environ.get("RANK", "0") == "0":  # one rank decides; the others never write to --out
+        err = claim_run_dir(a.out, a.resume, a.overwrite)
+        if err:
+            p.error(err)
+    del a.overwrite
+    return train(**vars(a))
 
 
 def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, steps, batch_tasks, group, temperature,
@@ -98,6 +120,14 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
           resume, wandb):
     """The GRPO loop. -> (policy, tokenizer)."""
     config = dict(locals())
+    if temperature <= 0:
+        raise ValueError(f"GRPO needs temperature > 0 (got {temperature}): log-probs divide the logits by it")
+    # the data first: a run with no tasks must stop before it touches the run folder
+    tasks_path = tasks or os.path.join(data_dir, "train_tasks.jsonl")
+    shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
+    train_tasks = env.load_tasks(tasks_path)
+    if not train_tasks:
+        raise SystemExit(f"grpo.py: no tasks in {tasks_path}")
     rank, world, device = setup_distributed()
     torch.manual_seed(seed)
     os.makedirs(out, exist_ok=True)
@@ -120,8 +150,6 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
         gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok)
     else:
         gen = HFGenerator(unwrap(policy), tok)
-    shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
-    train_tasks = env.load_tasks(tasks or os.path.join(data_dir, "train_tasks.jsonl"))
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
                                   concurrency=llm_concurrency, deadline=llm_deadline)
     # on tau2's tasks the agent gets tau2's domain policy, as in evaluation (evaluate.py) and in tau2 itself
@@ -130,6 +158,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(wandb, config) if rank == 0 else None
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")
+    errored = collections.Counter()  # why episodes errored over the run (this rank's; counts are global per step)
     update_kw = dict(ppo_epochs=ppo_epochs, mini_batches=mini_batches, micro_batch=micro_batch, clip=clip,
                      beta=beta, grad_clip=grad_clip, temperature=temperature, seed=seed)
     for step in bar:
@@ -137,8 +166,10 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
                         device=device, seed=seed, batch_tasks=batch_tasks, group=group,
                         drop_zero_spread=drop_zero_spread, mean_only=mean_only, episode_kw=episode_kw,
                         update_kw=update_kw)
+        errored.update(rec.get("errored_reasons", {}))
         if rank == 0:
-            bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", zero=f"{rec['zero_spread_frac']:.2f}")
+            bar.set_postfix(reward="-" if rec["reward_mean"] is None else f"{rec['reward_mean']:.2f}",
+                            zero=f"{rec['zero_spread_frac']:.2f}")
             log.write(json.dumps(rec) + "\n")
             log.flush()
             if wb:
@@ -147,6 +178,9 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
                 save_checkpoint(out, step + 1, policy, tok, opt)
     if rank == 0:
         plot_metrics(os.path.join(out, "metrics.jsonl"), os.path.join(out, "reward.png"))
+        if errored:  # their rewards were left out of every mean and every advantage; say how many and why
+            print(f"grpo.py: {sum(errored.values())} episodes errored (not scored): "
+                  + "; ".join(f"{n}x {reason}" for reason, n in errored.most_common()), flush=True)
     if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -163,11 +197,9 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, w
                                 batch_tasks=batch_tasks, group=group, drop_zero_spread=drop_zero_spread,
                                 episode_kw=episode_kw)
     t1 = time.time()
-    # 2. group-normalised advantages; a failed user simulator says nothing about the policy: no gradient
-    advs = group_advantages([e.reward for e in eps], group, mean_only)
-    for i, e in enumerate(eps):
-        if e.errored:
-            advs[i] = 0.0
+    # 2. group-normalised advantages; a failed user simulator says nothing about the policy: no gradient, and
+    # its placeholder reward stays out of its group's mean and std
+    advs = group_advantages([e.reward for e in eps], group, mean_only, valid=[not e.errored for e in eps])
     # 3. one policy update, unless every group had equal rewards (all advantages 0, no policy gradient).
     # The count is global, so every rank takes the same branch.
     if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
@@ -208,13 +240,21 @@ def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_ta
 # the objective
 
 
-def group_advantages(rewards, group, mean_only=False, eps=1e-4):
-    """rewards (N*G,) in group order -> advantages (N*G,): (r - mean_g) / (std_g + eps), or r - mean_g."""
+def group_advantages(rewards, group, mean_only=False, eps=1e-4, valid=None):
+    """rewards (N*G,) in group order -> advantages (N*G,): (r - mean_g) / (std_g + eps), or r - mean_g.
+    valid (N*G,) bools: only valid episodes (not errored) enter their group's mean and std; the others get 0,
+    and so does every episode of a group whose valid rewards are all equal (no spread, no signal)."""
     r = torch.as_tensor(rewards, dtype=torch.float).view(-1, group)
-    adv = r - r.mean(-1, keepdim=True)
+    v = torch.ones_like(r, dtype=torch.bool) if valid is None else torch.as_tensor(valid, dtype=torch.bool)
+    v = v.view(r.shape)
+    n = v.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(v, r, 0.0).sum(-1, keepdim=True) / n
+    adv = torch.where(v, r - mean, 0.0)
     if not mean_only:
-        adv = adv / (r.std(-1, keepdim=True, unbiased=False) + eps)
-    return adv.view(-1)
+        adv = adv / ((adv ** 2).sum(-1, keepdim=True) / n).sqrt().add(eps)
+    hi = torch.where(v, r, -torch.inf).amax(-1, keepdim=True)
+    lo = torch.where(v, r, torch.inf).amin(-1, keepdim=True)
+    return torch.where(hi > lo, adv, 0.0).view(-1)
 
 
 def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
@@ -307,7 +347,10 @@ def step_metrics(step, eps, zero, played, stats, rollout_s, update_s):
                                      sum(e.tool_errors for e in eps), sum(sum(e.loss_mask) for e in eps)],
                                     dtype=torch.float64)).tolist()
     n = max(1.0, t[1] + t[2])
-    return {"step": step + 1, "reward_mean": t[0] / max(1.0, t[1]), "errored": int(t[2]),
+    why = errored_reasons(eps)
+    # reward_mean is None (null) when every episode errored: 0.0 would read as a policy that solved nothing
+    return {"step": step + 1, "reward_mean": t[0] / t[1] if t[1] else None, "errored": int(t[2]),
+            **({"errored_reasons": dict(why)} if why else {}),
             "zero_spread_frac": t[3] / max(1.0, t[4]),
             "turns": t[5] / n, "tool_calls": t[6] / n, "tool_errors": t[7] / n, "tokens_generated": int(t[8]),
             **{k: round(v, 6) for k, v in stats.items()}, "rollout_s": round(rollout_s, 2),
@@ -325,7 +368,8 @@ def plot_metrics(jsonl, png):
     recs = [json.loads(line) for line in open(jsonl)]
     steps = [r["step"] for r in recs]
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(steps, [r["reward_mean"] for r in recs], label="reward (mean over rollouts)")
+    ax.plot(steps, [float("nan") if r["reward_mean"] is None else r["reward_mean"] for r in recs],
+            label="reward (mean over rollouts)")
     ax.plot(steps, [r["zero_spread_frac"] for r in recs], label="zero-spread groups (fraction)")
     ax.set_xlabel("GRPO step")
     ax.set_ylim(-0.02, 1.02)

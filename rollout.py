@@ -38,6 +38,7 @@ Sections: models and checkpoints -> chat rendering -> parsing -> log-probs -> ge
 -> chat backends for the other LLM roles -> distributed runs and logging.
 """
 import asyncio
+import collections
 import importlib.util
 import inspect
 import json
@@ -94,9 +95,34 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
         f.write(name)
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
     done = sorted(d for d in os.listdir(out_dir) if d.startswith("step_") and not d.endswith(".tmp"))
-    for old in done[:-2]:  # keep the newest two
+    # keep the one just written (`latest` names it) and the newest other: ordering by step number alone kept an
+    # earlier run's higher steps and deleted the new checkpoint that `latest` had just been pointed at
+    for old in [d for d in done if d != name][:-1]:
         shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     return final
+
+
+RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # plus step_* folders
+
+
+def claim_run_dir(out, resume, overwrite):
+    """Before a run starts (rank 0 only): a run that does not --resume must not write into an earlier run's
+    folder, whose checkpoints and metrics would mix with its own. -> None when the run may go on, else the
+    one-line message for parser.error. With overwrite, the earlier run's files are deleted first (only
+    those: anything else in the folder is left alone)."""
+    if resume or not os.path.isdir(out):
+        return None
+    found = sorted(f for f in os.listdir(out) if f in RUN_FILES or f.startswith("step_"))
+    if not found:
+        return None
+    if not overwrite:
+        return (f"--out {out} already holds a run ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}): "
+                "add --resume to continue it, or --overwrite to delete it and start afresh")
+    for f in found:
+        p = os.path.join(out, f)
+        shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    print(f"--overwrite: deleted the earlier run in {out} ({len(found)} entries)", flush=True)
+    return None
 
 
 def resolve_checkpoint(path):
@@ -107,9 +133,36 @@ def resolve_checkpoint(path):
     return path
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_checkpoint(path, named_by=None):
+    """Fail with a plain message before transformers does with a confusing one ("Repo id must be in the form
+    ..." for a missing folder). A path that looks local (it exists, starts with '.', '/' or '~', or has two
+    or more separators) must be a folder with a config and a tokenizer. A name with one '/' may be a hub id
+    (Qwen/Qwen3-8B), so it is left to from_pretrained (load_model reports its failure the same way)."""
+    where = f" (named by {named_by})" if named_by else ""
+    looks_local = os.path.exists(path) or path.startswith((".", os.sep, "~")) or path.count(os.sep) >= 2
+    if not looks_local:
+        return
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint at {path}{where}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no checkpoint at {path}{where}: the folder has no config.json")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path}{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
+                                "tokenizer beside the model (tok.save_pretrained) or point at a folder that has one")
+
+
 def load_model(path, dtype=torch.float32, device="cpu"):
-    path = resolve_checkpoint(path)
-    tok = AutoTokenizer.from_pretrained(path)
+    run_dir, path = str(path), str(resolve_checkpoint(path))
+    check_checkpoint(path, named_by=os.path.join(run_dir, "latest") if path != run_dir else None)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except OSError as e:  # a one-slash name that is neither a local folder nor a model on the hub
+        if os.path.isdir(path):
+            raise
+        raise FileNotFoundError(f"no checkpoint at {path}: not a local folder, nor a hub model ({e})") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
@@ -266,6 +319,8 @@ def encode_conversation(tok, messages, tools=None):
 # parsing the agent's text
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+MAX_CALL_DEPTH = 32  # a real call nests 3 levels; a deeper one is refused before it reaches a tool or a template
+MAX_CALL_CHARS = 20_000  # a real call is well under 1k characters
 
 
 def parse_assistant(text):
@@ -281,13 +336,19 @@ def parse_assistant(text):
     for body in TOOL_CALL.findall(text):
         call = {"type": "function", "function": {"name": "", "arguments": {}}}
         try:
+            if len(body) > MAX_CALL_CHARS:  # refused unread: decoding a runaway output is the slow part
+                raise ValueError(f"longer than {MAX_CALL_CHARS} characters")
             obj = json.loads(body.strip())
         except json.JSONDecodeError as e:
-            call["error"] = f"Error: could not parse the tool call as JSON ({e.msg} at char {e.pos})."
-            call["function"]["arguments"] = body.strip()
-            calls.append(call)
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            obj, problem = None, f"{e.msg} at char {e.pos}"
+        except (ValueError, RecursionError) as e:  # an int past 4300 digits; nesting past the recursion limit
+            obj, problem = None, f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            problem = None if _depth(obj) <= MAX_CALL_DEPTH else f"nested deeper than {MAX_CALL_DEPTH} levels"
+        if problem:
+            call["error"] = f"Error: could not parse the tool call as JSON ({problem})."
+            call["function"]["arguments"] = body.strip()  # the raw text: it renders like any other string
+        elif not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             call["error"] = 'Error: a tool call must be a JSON object {"name": ..., "arguments": {...}}.'
         else:
             call["function"] = {"name": obj["name"], "arguments": obj.get("arguments", {})}
@@ -301,15 +362,32 @@ def parse_assistant(text):
     return msg
 
 
+def _depth(x, limit=MAX_CALL_DEPTH):
+    """Nesting depth of a decoded JSON value, counted only up to limit + 1 (so it is cheap on any input)."""
+    todo, deepest = [(x, 1)], 0
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d > limit:
+                break
+            todo += [(c, d + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
 def execute_calls(db, msg, call_tool=env.call_tool):
-    """Run every call of an assistant message on this episode's db. -> (tool messages, n_errors, transferred)."""
+    """Run every call of an assistant message on this episode's db. -> (tool messages, n_errors, transferred).
+    Never raises: whatever the model wrote, each call is answered, at worst with an error message."""
     out, errors, transferred = [], 0, False
     for call in msg.get("tool_calls", []):
         name = call["function"]["name"]
         if "error" in call:
             content, is_error = call["error"], True
         else:
-            content, is_error = call_tool(db, name, call["function"]["arguments"])
+            try:
+                content, is_error = call_tool(db, name, call["function"]["arguments"])
+            except Exception as e:  # noqa: BLE001 - a swapped-in call_tool (MCP, simulator) must not end the batch
+                content, is_error = f"Error: {type(e).__name__}: {str(e)[:200]}", True
         errors += is_error
         transferred |= (name == "transfer_to_human_agents" and not is_error)
         out.append({"role": "tool", "name": name or "invalid", "content": content})
@@ -532,7 +610,7 @@ class Episode:
     tool_errors: int = 0
     end_reason: str = ""                # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error
     errored: bool = False               # the user simulator failed: exclude from scores, do not count as 0
-    error: str = ""                     # why it failed
+    error: str = ""                     # why it errored (the user simulator's message), when known
     kind: str = ""
     db: dict = None                     # this episode's own database (final state)
 
@@ -683,7 +761,24 @@ def _check_users(eps, users, idx):
         if users[i].done and not eps[i].end_reason:
             eps[i].end_reason = users[i].end_reason
             eps[i].errored = users[i].error is not None
-            eps[i].error = users[i].error or ""
+            eps[i].error = str(users[i].error or "")
+
+
+def errored_reasons(eps):
+    """Counter of why episodes errored, for run summaries: each one's error message (numbers blanked, so that
+    "after 3 attempt(s)" or a port number does not split one cause into many), or its end reason."""
+    why = (re.sub(r"(?<![A-Za-z])\d+", "N", e.error)[:160] if e.error else (e.end_reason or "unknown")
+           for e in eps if e.errored)
+    return collections.Counter(why)
+
+
+def errored_summary(eps):
+    """'' when no episode errored, else one line: how many and why, most common reason first."""
+    why = errored_reasons(eps)
+    if not why:
+        return ""
+    return f"{sum(why.values())} of {len(eps)} episodes errored (not scored): " + "; ".join(
+        f"{n}x {reason}" for reason, n in why.most_common())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -794,6 +889,14 @@ def hermes_tool_calls(tool_calls):
     return out
 
 
+def _detail(err):
+    """An SDK error as text: the HTTP status and what the server said, when it answered at all."""
+    response = getattr(err, "response", None)
+    if response is None or getattr(err, "status_code", None) is None:
+        return str(err)
+    return f"HTTP {err.status_code}: {response.text[:300]}"
+
+
 def per_conversation(batch, seed, tools):
     """chat()'s seed and tools, one per conversation: `seed` is an int or a list; `tools` is None, one list of
     schemas for all, or a list holding each conversation's schemas (or None)."""
@@ -861,9 +964,9 @@ class OpenAIChatBackend:
                 message = resp.choices[0].message
                 return (message.content or "") + hermes_tool_calls([c.model_dump() for c in message.tool_calls or []])
             except retry as err:
-                last = f"{type(err).__name__} from {self.url}: {err}"
+                last = f"{type(err).__name__} from {self.url}: {_detail(err)}"
             except e.APIStatusError as err:  # other 4xx: a bad request will not get better by retrying
-                return env.UserSimError(f"HTTP {err.status_code} from {self.url}: {str(err)[:300]}")
+                return env.UserSimError(f"{type(err).__name__} from {self.url}: {_detail(err)}")
             except Exception as err:  # a malformed response
                 return env.UserSimError(f"bad response from {self.url}: {type(err).__name__}: {err}")
             if attempt < self.max_retries:
@@ -1008,7 +1111,21 @@ def open_metrics(path, start_step):
     """The run's metrics JSONL for appending; on resume, lines logged after the checkpoint (their steps are
     about to be redone) are dropped first."""
     if os.path.exists(path):
-        keep = [line for line in open(path) if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        lines = open(path).read().split("\n")
+        last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
+        keep = []
+        for n, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                if n == last:  # torn by a kill mid-write; its step is redone anyway
+                    print(f"warning: {path}:{n + 1}: dropped a torn last line ({e.msg})", flush=True)
+                    continue
+                raise ValueError(f"{path}:{n + 1}: not a JSON line ({e.msg}); fix or remove that line") from None
+            if rec.get("step", 0) <= start_step:
+                keep.append(line + "\n")
         with open(path + ".tmp", "w") as f:
             f.writelines(keep)
         os.replace(path + ".tmp", path)

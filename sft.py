@@ -33,9 +33,9 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
-from rollout import (all_reduce_sum, autocast, chatml_template, encode_conversation, load_model, logprobs_from_logits,
-                     open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint, set_thinking,
-                     setup_distributed, token_logprobs, unwrap)
+from rollout import (all_reduce_sum, autocast, chatml_template, claim_run_dir, encode_conversation, load_model,
+                     logprobs_from_logits, open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint,
+                     set_thinking, setup_distributed, token_logprobs, unwrap)
 
 
 def main(argv=None):
@@ -70,7 +70,24 @@ def main(argv=None):
     g.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every n steps")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every n steps (and at the end)")
     g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
     a = p.parse_args(argv)
+    for flag, ok, allowed in [  # checked up front: a bad value used to train quietly at loss 0, or crash late
+            ("--steps", a.steps >= 1, ">= 1"), ("--batch-size", a.batch_size >= 1, ">= 1"),
+            ("--grad-accum", a.grad_accum >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
+            ("--eval-frac", 0 <= a.eval_frac < 1, "in [0, 1)"), ("--lr", a.lr > 0, "> 0"),
+            ("--warmup", a.warmup >= 0, ">= 0"), ("--weight-decay", a.weight_decay >= 0, ">= 0"),
+            ("--clip", a.clip > 0, "> 0"), ("--eval-every", a.eval_every >= 1, ">= 1"),
+            ("--save-every", a.save_every >= 1, ">= 1"), ("--vocab-size", a.vocab_size >= 1, ">= 1"),
+            ("--d-model", a.d_model >= 1, ">= 1"), ("--n-layer", a.n_layer >= 1, ">= 1"),
+            ("--n-head", a.n_head >= 1 and a.d_model % a.n_head == 0, ">= 1 and a divisor of --d-model"),
+            ("--copy-warmup", a.copy_warmup >= 0, ">= 0"), ("--copy-mix", a.copy_mix >= 0, ">= 0")]:
+        if not ok:
+            p.error(f"{flag} must be {allowed} (got {getattr(a, flag[2:].replace('-', '_'))})")
+    if os.environ.get("RANK", "0") == "0":  # one rank decides; the others never write to --out
+        err = claim_run_dir(a.out, a.resume, a.overwrite)
+        if err:
+            p.error(err)
     tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup, a.copy_mix) \
         if a.model == "tiny" else None
     return train(data=a.data, model=a.model, tiny=tiny, out=a.out, steps=a.steps, batch_size=a.batch_size,
@@ -87,6 +104,10 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     rank, world, device = setup_distributed()
     torch.manual_seed(seed)
     convs = load_conversations(data)
+    n_eval = max(1, int(len(convs) * eval_frac))
+    if len(convs) <= n_eval:  # an empty file trained at loss 0 and saved checkpoints
+        raise SystemExit(f"sft.py: {data} holds {len(convs)} conversations: too few to hold out {n_eval} for "
+                         "evaluation and train on the rest")
     random.Random(seed).shuffle(convs)
     os.makedirs(out, exist_ok=True)
     start, warm = 0, {}
@@ -105,9 +126,13 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     def encode(c):  # -> (ids, mask), truncated
         ids, mask = encode_conversation(tok, c["messages"], c.get("tools"))
         return ids[:max_len], mask[:max_len]
-    n_eval = max(1, int(len(convs) * eval_frac))
     held, train_convs = [encode(c) for c in convs[:n_eval]], convs[n_eval:]
     encoded = None if redraw else [encode(c) for c in train_convs]  # with redraw, each step encodes afresh
+    probe = encoded or [encode(c) for c in train_convs[:32]]
+    if not any(sum(m[1:]) for _, m in probe):  # the loss is on agent tokens: with none left it is 0 and learns nothing
+        first = min(encode_conversation(tok, c["messages"], c.get("tools"))[1].index(1) for c in train_convs[:32])
+        raise SystemExit(f"sft.py: --max-len {max_len} cuts every conversation of {data} before its first agent "
+                         f"token (the earliest is token {first}); raise --max-len")
     if world > 1:
         net = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))

@@ -37,10 +37,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 import env
-from rollout import ChatAgent, chat_backend, make_user_factory, run_episodes, score_episode
+from rollout import ChatAgent, chat_backend, errored_reasons, make_user_factory, run_episodes, score_episode
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default="data", help="where the generated shop, its task splits and sft.jsonl go")
@@ -75,7 +75,14 @@ def main():
     g.add_argument("--mcp-server", action="store_true", help="only serve env.py's tools over MCP on stdio")
     g.add_argument("--db", default=None, help="with --mcp-server: the db.json to serve")
     g.add_argument("--max-episodes", type=int, default=16, help="with --mcp-server: episode dbs kept at once")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for flag, ok, allowed in [
+            ("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1"), ("--n-users", args.n_users >= 1, ">= 1"),
+            ("--n-train", args.n_train >= 1, ">= 1"), ("--n-test", args.n_test >= 1, ">= 1"),
+            ("--max-turns", args.max_turns >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
+            ("--max-episodes", args.max_episodes >= 1, ">= 1")]:
+        if not ok:
+            p.error(f"{flag} must be {allowed} (got {getattr(args, flag[2:].replace('-', '_'))})")
     if args.mcp_server:
         if not args.db:
             p.error("--mcp-server needs --db PATH")
@@ -83,11 +90,22 @@ def main():
     if args.tools == "llm" and not args.tool_llm:
         p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
 
-    db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
+    try:
+        db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
+    except FileExistsError as e:
+        sys.exit(f"synth.py: {e}")
     tasks = train[:args.n_tasks] if args.n_tasks else train
     shop = os.path.join(args.data_dir, "shop.json")
+    out = args.out or os.path.join(args.data_dir, "sft.jsonl")
+    if not tasks:
+        where = os.path.join(args.data_dir, "train_tasks.jsonl")
+        sys.exit(f"synth.py: no train tasks in {where}; {out} left as it was")
+    # a task whose own gold actions fail is broken: doing nothing would match its gold state, so an episode
+    # whose write failed would score 1 and be kept as a success. Such tasks are not played.
+    broken = {t["id"]: gold_failure(t, db) for t in tasks}
+    playable = [t for t in tasks if not broken[t["id"]]]
     tools = env.TOOL_SCHEMAS
-    if args.tools == "mcp":
+    if args.tools == "mcp" and playable:
         with MCPToolClient(shop) as c:
             tools = c.list_tools()  # the schemas the agent sees are the server's
     llm = dict(concurrency=args.llm_concurrency, deadline=args.llm_deadline)
@@ -99,22 +117,55 @@ def main():
     call_tool = (LLMToolSimulator(chat_backend(args.tool_llm, args.tool_model, **llm)) if args.tools == "llm"
                  else env.call_tool)
     make_user = make_user_factory(args.user, args.user_model, args.user_guidelines, **llm)
-    eps = synthesize(tasks, db, make_user=make_user,
-                     make_agent=make_agent, call_tool=call_tool, tools=tools, max_turns=args.max_turns,
-                     chunk=args.chunk, seed=args.seed, mcp_db=shop if args.tools == "mcp" else None)
-
-    out = args.out or os.path.join(args.data_dir, "sft.jsonl")
+    died = None
+    try:
+        eps = synthesize(playable, db, make_user=make_user, make_agent=make_agent, call_tool=call_tool, tools=tools,
+                         max_turns=args.max_turns, chunk=args.chunk, seed=args.seed,
+                         mcp_db=shop if args.tools == "mcp" else None)
+    except MCPServerDied as e:  # keep what was finished before the server went away
+        died, eps = e, e.episodes
     kept = [e for e in eps if e.reward == 1.0 and not e.errored]
+    n_broken = sum(1 for t in tasks if broken[t["id"]])
+    why = Counter(f"broken task (its gold replay fails: {broken[t['id']]})" for t in tasks if broken[t["id"]])
+    why.update({f"errored ({reason})": n for reason, n in errored_reasons(eps).items()})
+    why.update(f"{e.reward_info.get('failed') or 'db'} ({e.end_reason})" for e in eps
+               if not e.errored and e.reward != 1.0)
+    print(f"tried {len(eps) + n_broken}, kept {len(kept)} -> {out if kept else 'nothing written'}")
+    for reason, n in why.most_common():
+        print(f"  dropped {n}: {reason}")
+    if kept:  # an empty or failed run never replaces an earlier file
+        write_conversations(kept, tools, out)
+    if died:
+        sys.exit(f"synth.py: {died}; " + (f"the {len(kept)} conversations kept before it were written to {out}"
+                                          if kept else f"nothing was kept before it; {out} left as it was"))
+    if not kept:
+        sys.exit(f"synth.py: no conversation was kept (reasons above); {out} left as it was")
+
+
+def write_conversations(kept, tools, out):
+    """Write the kept conversations as JSONL: to a temp file, renamed over `out` only once complete."""
     with open(out + ".tmp", "w") as f:
         for e in kept:
             f.write(json.dumps({"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": tools,
                                 "messages": e.messages}) + "\n")
     os.replace(out + ".tmp", out)
-    why = Counter("errored" if e.errored else f"{e.reward_info.get('failed') or 'db'} ({e.end_reason})"
-                  for e in eps if e not in kept)
-    print(f"tried {len(eps)}, kept {len(kept)} -> {out}")
-    for reason, n in why.most_common():
-        print(f"  dropped {n}: {reason}")
+
+
+def gold_failure(task, db):
+    """The first failing gold action of task on a fresh copy of db, as 'name: Error: ...', or None."""
+    acts = task["evaluation_criteria"]["actions"]
+    for a, (content, is_error) in zip(acts, env.replay_actions(env.canonical_db(db), acts)):
+        if is_error:
+            return f"{a['name']}: {content}"
+    return None
+
+
+class MCPServerDied(RuntimeError):
+    """The MCP server stopped answering mid-run; `episodes` holds the episodes finished before it did."""
+
+    def __init__(self, message, episodes):
+        super().__init__(message)
+        self.episodes = episodes
 
 
 def synthesize(tasks, db, *, make_user, make_agent, call_tool, tools, max_turns, chunk, seed, mcp_db=None):
@@ -128,7 +179,13 @@ def synthesize(tasks, db, *, make_user, make_agent, call_tool, tools, max_turns,
                 client.reset()
                 ep, = run_episodes(None, None, [task], db, seed=seed + i, score=False,
                                    call_tool=lambda _db, name, a: client.call_tool(name, a), **kw)
-                ep.db = client.get_db()
+                try:
+                    if not client.alive():  # its tool calls all failed: this episode says nothing
+                        raise ConnectionError("connection to the server closed")
+                    ep.db = client.get_db()
+                except Exception as e:
+                    raise MCPServerDied(f"the MCP server died during episode {i + 1} of {len(tasks)} "
+                                        f"({type(e).__name__}: {e})", eps) from e
                 eps.append(score_episode(ep, task, db))
         return eps
     for i in tqdm(range(0, len(tasks), chunk), desc="synth"):
@@ -141,12 +198,21 @@ def prepare_data(data_dir, seed=0, n_users=60, n_train=400, n_test=60):
     os.makedirs(data_dir, exist_ok=True)
     shop = os.path.join(data_dir, "shop.json")
     if not os.path.exists(shop):
+        # task files name the shop's ids: ones made for another shop (or by hand) are never overwritten
+        present = [p for p in (os.path.join(data_dir, f"{n}_tasks.jsonl") for n in ("train", "test"))
+                   if os.path.exists(p)]
+        if present:
+            raise FileExistsError(f"{shop} is missing but {' and '.join(present)} exist; they belong to the shop "
+                                  "they were made for and would not be overwritten. Restore shop.json, or move the "
+                                  "task files away to generate a new shop with new tasks")
         db = generate_shop(seed, n_users)
         splits = generate_tasks(db, seed, n_train, n_test)
         with open(shop + ".tmp", "w") as f:
             json.dump(db, f)
         for name, tasks in splits.items():
-            env.save_tasks(tasks, os.path.join(data_dir, f"{name}_tasks.jsonl"))
+            path = os.path.join(data_dir, f"{name}_tasks.jsonl")
+            env.save_tasks(tasks, path + ".tmp")
+            os.replace(path + ".tmp", path)
         os.replace(shop + ".tmp", shop)  # last, so a half-written folder is regenerated
     return (env.load_db(shop), env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl")),
             env.load_tasks(os.path.join(data_dir, "test_tasks.jsonl")))
@@ -713,6 +779,10 @@ class MCPToolClient:
             return f"Error: MCP call failed: {type(e).__name__}: {e}", True
         text = "".join(c.text for c in result.content if getattr(c, "type", None) == "text")
         return text, bool(result.is_error)
+
+    def alive(self):
+        """False once the connection to the server has ended (the server exited or was killed)."""
+        return not self._closed and not self._main.done()
 
     def get_db(self):
         """The current episode's db (for the reward), as the server holds it."""

@@ -157,6 +157,193 @@ def test_calculate_errors(expr, msg):
     assert is_error and content.startswith(msg)
 
 
+def test_gold_end_state_hashes_regression(db, tasks, replays):
+    """The end-state hash of every one of tau2's 114 gold replays, stored in tests/tau2_gold_hashes.json (made by
+    this code, which the tests above check against tau2's semantics): any change to a tool's effects, the
+    canonical dump or the hash shows up here, task by task."""
+    want = json.loads((REPO / "tests" / "tau2_gold_hashes.json").read_text())
+    assert want["initial"] == env.db_hash(db)
+    got = {tid: h for tid, (_, _, h) in replays.items()}
+    assert sorted(got, key=int) == sorted(want["gold"], key=int) and len(got) == 114
+    assert {t: h for t, h in got.items() if want["gold"][t] != h} == {}
+
+
+# ----------------------------------------------------------------------------------------------------
+# every write tool's effects, written out by hand from ../shared/notes/tau2_retail_semantics.md
+
+
+def _item(item_id, price, color, size):
+    return {"name": "T-Shirt", "product_id": "100", "item_id": item_id, "price": price,
+            "options": {"color": color, "size": size}}
+
+
+BLUE, RED, GREEN = _item("1001", 50.88, "blue", "M"), _item("1002", 53.0, "red", "L"), _item("1003", 47.5, "green", "S")
+HOME = {"address1": "1 Elm St", "address2": "", "city": "Austin", "country": "USA", "state": "TX", "zip": "78701"}
+NEW = {"address1": "9 Oak Rd", "address2": "Apt 2", "city": "Boston", "country": "USA", "state": "MA", "zip": "02110"}
+
+
+def _pay(kind, amount, method):
+    return {"transaction_type": kind, "amount": amount, "payment_method_id": method}
+
+
+def _order(oid, status, items, history, fulfillments=(), **optional):
+    o = {"order_id": oid, "user_id": "ann_lee_1", "address": dict(HOME), "items": [dict(i) for i in items],
+         "status": status, "fulfillments": list(fulfillments), "payment_history": list(history)}
+    return {**o, **{k: None for k in env.ORDER_OPTIONAL}, **optional}
+
+
+def effects_db():
+    """One user with a gift card (100.0), a credit card and paypal; #W1 pending (gift card), #W2 pending (credit
+    card), #W3 delivered (paypal). One product with three variants."""
+    variants = {i["item_id"]: {"item_id": i["item_id"], "options": dict(i["options"]), "available": True,
+                               "price": i["price"]} for i in (BLUE, RED, GREEN)}
+    user = {"user_id": "ann_lee_1", "name": {"first_name": "Ann", "last_name": "Lee"}, "address": dict(HOME),
+            "email": "ann.lee@example.com", "orders": ["#W1", "#W2", "#W3"], "payment_methods": {
+                "gift_card_7": {"source": "gift_card", "id": "gift_card_7", "balance": 100.0},
+                "credit_card_8": {"source": "credit_card", "id": "credit_card_8", "brand": "visa", "last_four": "4242"},
+                "paypal_9": {"source": "paypal", "id": "paypal_9"}}}
+    shipped = [{"tracking_id": ["123456789012"], "item_ids": ["1001", "1002"]}]
+    return env.canonical_db({
+        "products": {"100": {"name": "T-Shirt", "product_id": "100", "variants": variants}},
+        "users": {"ann_lee_1": user},
+        "orders": {"#W1": _order("#W1", "pending", [BLUE, RED], [_pay("payment", 103.88, "gift_card_7")]),
+                   "#W2": _order("#W2", "pending", [BLUE], [_pay("payment", 50.88, "credit_card_8")]),
+                   "#W3": _order("#W3", "delivered", [BLUE, RED], [_pay("payment", 103.88, "paypal_9")], shipped)}})
+
+
+SHIPPED = [{"tracking_id": ["123456789012"], "item_ids": ["1001", "1002"]}]
+# tool, arguments -> the records that change (every other record must stay exactly as it was), written by hand
+EFFECTS = [
+    ("cancel, gift card: refund row, balance credited at once",
+     "cancel_pending_order", {"order_id": "#W1", "reason": "ordered by mistake"},
+     {"#W1": _order("#W1", "cancelled", [BLUE, RED], [_pay("payment", 103.88, "gift_card_7"),
+                                                       _pay("refund", 103.88, "gift_card_7")],
+                    cancel_reason="ordered by mistake")}, 203.88),
+    ("cancel, credit card: refund row, no balance moves",
+     "cancel_pending_order", {"order_id": "#W2", "reason": "no longer needed"},
+     {"#W2": _order("#W2", "cancelled", [BLUE], [_pay("payment", 50.88, "credit_card_8"),
+                                                 _pay("refund", 50.88, "credit_card_8")],
+                    cancel_reason="no longer needed")}, 100.0),
+    ("modify items, price up on a credit card: unrounded payment row",
+     "modify_pending_order_items", {"order_id": "#W2", "item_ids": ["1001"], "new_item_ids": ["1002"],
+                                    "payment_method_id": "credit_card_8"},
+     {"#W2": _order("#W2", "pending (item modified)", [RED], [_pay("payment", 50.88, "credit_card_8"),
+                                                              _pay("payment", 2.1199999999999974, "credit_card_8")])},
+     100.0),
+    # two pairs: diff = (53.0 - 50.88) + (47.5 - 53.0) = -3.3800000000000026, a refund; the gift card gets
+    # round(100.0 + 3.38..., 2). Pair 2 looks up the first item with id 1002, which is item 0 just renamed by pair 1,
+    # so item 0 ends as 1003 and item 1 is untouched; every modified item takes the LAST new variant's price and
+    # options (tau2's leftover loop variable)
+    ("modify items, price down on a gift card: unrounded refund row, balance credited, tau2's quirks",
+     "modify_pending_order_items", {"order_id": "#W1", "item_ids": ["1001", "1002"], "new_item_ids": ["1002", "1003"],
+                                    "payment_method_id": "gift_card_7"},
+     {"#W1": _order("#W1", "pending (item modified)", [GREEN, RED],
+                    [_pay("payment", 103.88, "gift_card_7"), _pay("refund", 3.3800000000000026, "gift_card_7")])},
+     103.38),
+    ("modify payment to a gift card: payment(new) then refund(old), gift card debited",
+     "modify_pending_order_payment", {"order_id": "#W2", "payment_method_id": "gift_card_7"},
+     {"#W2": _order("#W2", "pending", [BLUE], [_pay("payment", 50.88, "credit_card_8"),
+                                               _pay("payment", 50.88, "gift_card_7"),
+                                               _pay("refund", 50.88, "credit_card_8")])}, 49.12),
+    ("modify payment away from a gift card: the old gift card is credited back",
+     "modify_pending_order_payment", {"order_id": "#W1", "payment_method_id": "paypal_9"},
+     {"#W1": _order("#W1", "pending", [BLUE, RED], [_pay("payment", 103.88, "gift_card_7"),
+                                                    _pay("payment", 103.88, "paypal_9"),
+                                                    _pay("refund", 103.88, "gift_card_7")])}, 203.88),
+    ("modify order address: address replaced, status kept",
+     "modify_pending_order_address", {"order_id": "#W2", **NEW},
+     {"#W2": {**_order("#W2", "pending", [BLUE], [_pay("payment", 50.88, "credit_card_8")]), "address": NEW}}, 100.0),
+    ("exchange: fields set, lists sorted each on its own, rounded difference, no money moves",
+     "exchange_delivered_order_items", {"order_id": "#W3", "item_ids": ["1002", "1001"],
+                                        "new_item_ids": ["1003", "1002"], "payment_method_id": "gift_card_7"},
+     {"#W3": _order("#W3", "exchange requested", [BLUE, RED], [_pay("payment", 103.88, "paypal_9")], SHIPPED,
+                    exchange_items=["1001", "1002"], exchange_new_items=["1002", "1003"],
+                    exchange_payment_method_id="gift_card_7", exchange_price_difference=-3.38)}, 100.0),
+    ("return to a gift card: status and fields, no refund row, no balance change",
+     "return_delivered_order_items", {"order_id": "#W3", "item_ids": ["1002", "1001"],
+                                      "payment_method_id": "gift_card_7"},
+     {"#W3": _order("#W3", "return requested", [BLUE, RED], [_pay("payment", 103.88, "paypal_9")], SHIPPED,
+                    return_items=["1001", "1002"], return_payment_method_id="gift_card_7")}, 100.0),
+    ("return to the original method",
+     "return_delivered_order_items", {"order_id": "#W3", "item_ids": ["1001"], "payment_method_id": "paypal_9"},
+     {"#W3": _order("#W3", "return requested", [BLUE, RED], [_pay("payment", 103.88, "paypal_9")], SHIPPED,
+                    return_items=["1001"], return_payment_method_id="paypal_9")}, 100.0),
+]
+
+
+@pytest.mark.parametrize("label, tool, args, orders, balance", EFFECTS, ids=[e[0].split(":")[0] for e in EFFECTS])
+def test_write_tool_effects_by_hand(label, tool, args, orders, balance):
+    d = effects_db()
+    before = copy.deepcopy(d)
+    content, is_error = env.call_tool(d, tool, args)
+    assert not is_error, content
+    want = copy.deepcopy(before)
+    want["orders"].update(copy.deepcopy(orders))
+    want["users"]["ann_lee_1"]["payment_methods"]["gift_card_7"]["balance"] = balance
+    assert env.canonical_db(d) == want
+    assert json.loads(content) == want["orders"][args["order_id"]]  # the tool returns the record it wrote
+    assert env.db_hash(d) == env.db_hash(want)
+
+
+def test_modify_user_address_effect_by_hand():
+    d = effects_db()
+    content, is_error = env.call_tool(d, "modify_user_address", {"user_id": "ann_lee_1", **NEW})
+    assert not is_error
+    want = effects_db()
+    want["users"]["ann_lee_1"]["address"] = dict(NEW)  # the user's only: orders keep their own addresses
+    assert env.canonical_db(d) == want and json.loads(content) == want["users"]["ann_lee_1"]
+    assert list(want["users"]["ann_lee_1"]["address"]) == list(json.loads(content)["address"])  # field order too
+
+
+@pytest.mark.parametrize("tool, args, message", [
+    ("modify_pending_order_payment", {"order_id": "#W1", "payment_method_id": "gift_card_7"}, "should be different"),
+    ("modify_pending_order_items", {"order_id": "#W2", "item_ids": ["1001"], "new_item_ids": ["1001"],
+                                    "payment_method_id": "credit_card_8"}, "should be different"),
+    ("return_delivered_order_items", {"order_id": "#W3", "item_ids": ["1001"], "payment_method_id": "credit_card_8"},
+     "original payment method"),
+    ("exchange_delivered_order_items", {"order_id": "#W1", "item_ids": ["1001"], "new_item_ids": ["1002"],
+                                        "payment_method_id": "gift_card_7"}, "Non-delivered"),
+    ("cancel_pending_order", {"order_id": "#W3", "reason": "no longer needed"}, "Non-pending"),
+])
+def test_refused_writes_change_nothing(tool, args, message):
+    d = effects_db()
+    content, is_error = env.call_tool(d, tool, args)
+    assert is_error and message in content
+    assert env.canonical_db(d) == effects_db()
+
+
+CALC_BOMBS = [
+    "*".join(["9**99999"] * 30)[:299],        # the reported 299-character chain: 9.3 s before the bound
+    "*".join(["9**400"] * 60)[:999],          # each power small, their product quadratic in size
+    "(" * 150 + "1" + ")" * 150, "-" * 500 + "1", "+-" * 300 + "1",  # nesting
+    "9" * 1500, "1" * 1000 + "*" + "1" * 999,   # long literals, and the length limit
+    "2**4096", "2**4095*2", "10**1000/10**999", "(10**300)**-5", "(-8)**0.5", "2.0**99999", "7//0.0",
+]
+
+
+@pytest.mark.parametrize("expr", CALC_BOMBS, ids=range(len(CALC_BOMBS)))
+def test_calculate_is_bounded_in_size_and_time(expr):
+    import time
+    env.call_tool({}, "calculate", {"expression": "1+1"})  # warm-up
+    t0 = time.perf_counter()
+    content, is_error = env.call_tool({}, "calculate", {"expression": expr})
+    assert time.perf_counter() - t0 < 0.1, expr[:40]
+    assert isinstance(content, str) and len(content) < 200
+    if is_error:
+        assert content.startswith("Error: ")
+
+
+def test_calculate_bounds_keep_normal_results():
+    # big but finite answers still come out as tau2 prints them; only ints past MAX_INT_BITS are refused
+    assert env.calculate({}, "2**1000 / 2**999") == "2.0"
+    assert env.calculate({}, "10**300 * 10**2") == "1e+302"
+    assert env.calculate({}, "(" * 90 + "1" + ")" * 90) == "1.0"
+    with pytest.raises(env.ToolError, match="too large"):
+        env.calculate({}, "2**5000")
+    with pytest.raises(env.ToolError, match="longer than"):
+        env.calculate({}, "1+" * 600 + "1")
+
+
 def test_dump_roundtrip_and_canonical_nulls(db, replays, tmp_path):
     d = replays["21"][0]
     env.dump_db(d, tmp_path / "end.json")
@@ -182,6 +369,83 @@ def test_load_db_errors(tmp_path):
     p.write_text(json.dumps({"products": {}, "users": {}, "orders": {"#W1": {"order_id": "#W1"}}}))
     with pytest.raises(ValueError, match=r"db\.json.*#W1.*'user_id'"):
         env.load_db(p)
+
+
+def _broken(db, how):
+    """A copy of db with one record broken; -> (db, the record, the field) an error must name."""
+    d = copy.deepcopy(db)
+    uid, u = next((k, u) for k, u in d["users"].items() if u["orders"])
+    oid = u["orders"][0]
+    o = d["orders"][oid]
+    pid, p = next(iter(d["products"].items()))
+    vid = next(iter(p["variants"]))
+    if how == "price a string":
+        p["variants"][vid]["price"] = "12.50"
+        return d, f"products['{pid}'].variants['{vid}']", "price"
+    if how == "available a string":
+        p["variants"][vid]["available"] = "yes"
+        return d, f"variants['{vid}']", "available"
+    if how == "amount a string":
+        o["payment_history"][0]["amount"] = "10"
+        return d, f"orders['{oid}'].payment_history[0]", "amount"
+    if how == "balance null":
+        m = next(m for u in d["users"].values() for m in u["payment_methods"].values() if "balance" in m)
+        m["balance"] = None
+        return d, f"payment_methods['{m['id']}']", "balance"
+    if how == "orders not a list":
+        u["orders"] = oid
+        return d, f"users['{uid}']", "orders"
+    if how == "unknown status":
+        o["status"] = "shipped"
+        return d, f"orders['{oid}']", "status"
+    if how == "order of a missing user":
+        o["user_id"] = "nobody_1234"
+        return d, f"orders['{oid}']", "user_id"
+    if how == "order not listed by its user":
+        u["orders"].remove(oid)
+        return d, f"orders['{oid}']", "user_id"
+    if how == "user lists a missing order":
+        del d["orders"][oid]
+        return d, f"users['{uid}']", "orders[0]"
+    if how == "item of a missing product":
+        o["items"][0]["product_id"] = "0000000000"
+        return d, f"orders['{oid}'].items[0]", "product_id"
+    if how == "item not a variant of its product":
+        o["items"][0]["item_id"] = "0000000000"
+        return d, f"orders['{oid}'].items[0]", "item_id"
+    if how == "payment with another user's method":
+        other = next(m for k, v in d["users"].items() if k != uid for m in v["payment_methods"])
+        o["payment_history"][0]["payment_method_id"] = other
+        return d, f"orders['{oid}'].payment_history[0]", "payment_method_id"
+    if how == "key differs from id":
+        p["variants"][vid]["item_id"] = "1"
+        return d, f"variants['{vid}']", "item_id"
+    raise ValueError(how)
+
+
+BROKEN = ["price a string", "available a string", "amount a string", "balance null", "orders not a list",
+          "unknown status", "order of a missing user", "order not listed by its user", "user lists a missing order",
+          "item of a missing product", "item not a variant of its product", "payment with another user's method",
+          "key differs from id"]
+
+
+@pytest.mark.parametrize("how", BROKEN)
+def test_load_db_checks_types_and_references(how, tmp_path):
+    good = synth.generate_shop(SEED, n_users=10)
+    p = tmp_path / "shop.json"
+    p.write_text(json.dumps(good))
+    env.load_db(p)  # the generated shop itself is fine
+    bad, record, field = _broken(good, how)
+    p.write_text(json.dumps(bad))
+    with pytest.raises(ValueError) as e:
+        env.load_db(p)
+    msg = str(e.value)
+    assert str(p) in msg and record in msg and field in msg, msg
+
+
+def test_tau2_db_keeps_every_checked_reference():
+    need_tau2()
+    env.load_db(TAU2 / "db.json")  # loads: it breaks none of the checks
 
 
 @pytest.mark.parametrize("name, args, needle", [
@@ -211,6 +475,24 @@ def test_call_tool_unexpected_exception_becomes_error():
     content, is_error = env.call_tool(broken, "return_delivered_order_items",
                                       {"order_id": "#W1", "item_ids": [], "payment_method_id": "x"})
     assert is_error and content.startswith("Error: ")
+
+
+def test_string_arguments_that_escape_json_become_errors():
+    # call_tool decodes string arguments itself (the MCP and OpenAI paths hand them over as text)
+    for args in ("[" * 100000 + "]" * 100000, '{"order_id": ' + "9" * 5000 + "}"):
+        content, is_error = env.call_tool({}, "get_order_details", args)
+        assert is_error and content.startswith("Error: Invalid JSON"), content[:200]
+    # nor from validation (the error quotes the value) or a tool's own message
+    deep = [0]
+    for _ in range(5000):
+        deep = [deep]
+    for args in ({"order_id": deep}, {"order_id": int("9" * 4000) * 10 ** 400}):
+        content, is_error = env.call_tool({}, "get_order_details", args)
+        assert is_error and content.startswith("Error: Argument 'order_id'"), content[:200]
+    content, is_error = env.call_tool({"orders": {}}, "get_order_details", {"order_id": "x" * 10**6})
+    assert (content, is_error) == ("Error: Order not found", True)
+    content, is_error = env.call_tool({}, "x" * 10**6, {})
+    assert is_error and len(content) <= env.MAX_ERROR_CHARS
 
 
 def test_call_tool_json_string_args_and_serialisation(db):

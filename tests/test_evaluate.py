@@ -153,7 +153,7 @@ def test_evaluate_failing_user_endpoint_mixed(world, tmp_path, fake_server, monk
     assert a["errored"] == 2 and a["n"] == 1  # the failing task has no trials left
 
 
-def test_evaluate_failing_user_endpoint_all(world, tmp_path, fake_server, monkeypatch):
+def test_evaluate_failing_user_endpoint_all(world, tmp_path, fake_server, monkeypatch, capsys):
     """An endpoint that always answers 500: every episode errored, none scored, and evaluate still reports."""
     fast_backoff(monkeypatch)
     srv = fake_server(lambda body: (500, "boom"))
@@ -164,6 +164,11 @@ def test_evaluate_failing_user_endpoint_all(world, tmp_path, fake_server, monkey
     a = res["sft"]["all"]
     assert a["errored"] == 4 and a["n"] == 0
     assert a["pass^1"] is None and a["pass^2"] is None  # no trials: nothing to average, not 0
+    # how many errored, and why (the user simulator's message, numbers blanked so one cause counts once)
+    (reason, n), = a["errored_reasons"].items()
+    assert n == 4 and "InternalServerError" in reason and "boom" in reason and srv.url.split(":")[0] in reason
+    assert f"sft: 4 of 4 episodes errored (not scored): 4x {reason}" in capsys.readouterr().out
+    assert all("InternalServerError" in x["error"] for x in rows)  # each transcript says why
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -512,3 +517,22 @@ def test_evaluate_tau2_gives_the_agent_the_policy(policy_ckpt, user_server, tmp_
     prompt = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json"))
     assert ep["messages"][0] == {"role": "system", "content": prompt}
     assert policy in ep["messages"][0]["content"] and ep["turns"] == 1  # the agent played with it
+
+
+
+@pytest.mark.parametrize("flag, value, allowed", [("k", 0, ">= 1"), ("temperature", -0.5, ">= 0"),
+                                                  ("n_tasks", 0, ">= 1"), ("max_turns", 0, ">= 1")])
+def test_bad_arguments_name_the_flag_and_range(flag, value, allowed, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(evaluate, out=tmp_path / "eval", **{flag: value})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--" + flag.replace("_", "-") in err and allowed in err, err
+
+
+def test_empty_test_tasks_are_refused(world, tmp_path):
+    empty = tmp_path / "tasks.jsonl"
+    empty.write_text("")
+    with pytest.raises(SystemExit, match=f"no tasks in {empty}"):
+        run_main(evaluate, models=[f"sft={world.sft}"], tasks=empty, db=world.data / "shop.json",
+                 out=tmp_path / "eval")

@@ -637,3 +637,119 @@ def test_grpo_tau2_gives_the_agent_the_policy(policy_ckpt, user_server, tmp_path
     policy = (TAU2 / "policy.md").read_text().strip()
     assert len(played) == 2 and all(policy in ep.messages[0]["content"] for ep in played)
     assert all(ep.messages[0]["role"] == "system" and ep.turns == 1 for ep in played)
+
+
+# errored episodes, bad values, and resuming a run that learns
+
+
+def test_group_advantages_leave_errored_episodes_out():
+    # [1, 1, errored, 1]: the errored placeholder 0.0 made a spread (+0.577 each) in a group that has none
+    adv = grpo.group_advantages([1, 1, 0, 1], group=4, valid=[True, True, False, True])
+    assert adv.tolist() == [0.0, 0.0, 0.0, 0.0]
+    adv = grpo.group_advantages([1, 0, 0, 1, 0.3, 0.3, 0.3, 0.0], group=4, valid=[True, True, False, True] + [True] * 3
+                                + [False])
+    mean, std = 2 / 3, math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 3)
+    assert adv[:4].tolist() == pytest.approx([(1 - mean) / (std + 1e-4), -mean / (std + 1e-4), 0.0,
+                                              (1 - mean) / (std + 1e-4)])
+    assert adv[4:].tolist() == [0.0] * 4  # equal valid rewards (0.3 thrice): exactly zero, whatever the rounding
+    assert grpo.group_advantages([1, 0, 0, 0], group=4, mean_only=True, valid=[True, False, True, True]).tolist() == \
+        pytest.approx([2 / 3, 0.0, -1 / 3, -1 / 3])
+
+
+def errored_eps(rewards, errored, error="user simulator failed after 3 attempt(s): HTTP 500 from http://u: boom"):
+    eps = []
+    for r, bad in zip(rewards, errored):
+        e = rollout.Episode(task_id="t", messages=[], ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0])
+        e.reward, e.errored, e.error = r, bad, error if bad else ""
+        e.end_reason = "user_error" if bad else "user_stop"
+        eps.append(e)
+    return eps
+
+
+def test_errored_episode_does_not_make_an_update(monkeypatch):
+    monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([1, 1, 0, 1], [0, 0, 1, 0]), 0, 1))
+    monkeypatch.setattr(grpo, "update", lambda *a, **k: pytest.fail("updated on a group with no spread"))
+    rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
+        group=4, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
+    assert rec["update_skipped"] == 1 and rec["errored"] == 1 and rec["reward_mean"] == 1.0
+
+
+def test_all_errored_step_logs_null_reward(monkeypatch):
+    monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([0, 0], [1, 1]), 1, 1))
+    rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
+        group=2, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
+    assert rec["reward_mean"] is None and rec["errored"] == 2 and rec["update_skipped"] == 1
+    assert rec["errored_reasons"] == {"user simulator failed after N attempt(s): HTTP N from http://u: boom": 2}
+    json.dumps(rec)
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("temperature", 0, "> 0"), ("group", 1, ">= 2"), ("batch_tasks", 0, ">= the number of ranks"),
+    ("steps", 0, ">= 1"), ("micro_batch", 0, ">= 1"), ("max_new_tokens", 0, ">= 1")])
+def test_bad_arguments_name_the_flag_and_range(flag, value, allowed, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(grpo, out=tmp_path / "g", **{flag: value})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--" + flag.replace("_", "-") in err and allowed in err, err
+    assert not (tmp_path / "g").exists()
+
+
+def test_empty_train_tasks_stop_before_the_run_folder_is_touched(world, tmp_path):
+    out = tmp_path / "g"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    empty = tmp_path / "tasks.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(SystemExit, match=f"no tasks in {empty}"):
+        run_main(grpo, **tiny_grpo(world, out, steps=1, resume=True, tasks=empty, db=world.data / "shop.json"))
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'  # was truncated before the crash
+
+
+def test_rerun_without_resume_is_refused(world, tmp_path, capsys):
+    out = tmp_path / "g"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "latest").write_text("step_000001")
+    with pytest.raises(SystemExit):
+        run_main(grpo, **tiny_grpo(world, out, steps=1))
+    assert "--overwrite" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def all_errored(real):
+    def run(*a, **kw):
+        eps = real(*a, **kw)
+        for e in eps:
+            e.errored, e.reward, e.end_reason = True, 0.0, "user_error"
+            e.error = "user simulator failed after 3 attempt(s): HTTP 500 from http://127.0.0.1:9/v1: boom"
+        return eps
+    return run
+
+
+def test_all_errored_run_reports_how_many_and_why(world, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(grpo, "run_episodes", all_errored(rollout.run_episodes))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1))
+    rec = read_jsonl(tmp_path / "g" / "metrics.jsonl")[0]
+    assert rec["reward_mean"] is None and rec["errored"] == 4 and rec["update_skipped"] == 1
+    out = capsys.readouterr().out
+    assert "4 episodes errored" in out and "HTTP N from http://N.N.N.N:N/v1: boom" in out, out
+
+
+@pytest.mark.slow
+def test_resume_of_a_learning_run_matches_the_straight_run(world, tmp_path, monkeypatch):
+    """Rewards with a spread, so both steps update: 2 straight steps against 1 step, then --resume to 2. The
+    weights, AdamW's state and the seeded rollouts come back, so the weights agree within 1e-6."""
+    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "a", steps=2))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=1))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=2, resume=True))
+    ra, rb = read_jsonl(tmp_path / "a" / "metrics.jsonl"), read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    assert [r["update_skipped"] for r in ra] == [0, 0] and [r["step"] for r in rb] == [1, 2]
+    for k in ("reward_mean", "tokens_generated", "tool_calls"):
+        assert ra[1][k] == rb[1][k], k
+    wa, wb, w0 = weights(tmp_path / "a"), weights(tmp_path / "b"), weights(world.sft)
+    assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
+    w1 = weights(tmp_path / "b" / "step_000001")
+    assert any(not torch.allclose(w1[k], wb[k], rtol=0, atol=1e-6) for k in w1)  # step 2 did move the weights
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)

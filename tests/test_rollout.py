@@ -5,6 +5,7 @@ and the optional vLLM sampler."""
 import collections
 import copy
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -338,6 +339,185 @@ def test_bad_calls_become_errors(label, text, db):
     assert env.db_hash(d) == env.db_hash(db)
     # the tokenizer-free message still renders (the next prompt is built from it)
     json.dumps(msg)
+
+
+ESCAPING_CALLS = [  # each raised out of parse_assistant or call_tool before: one bad output ended the batch
+    ("deep nesting", "<tool_call>" + "[" * 100000 + "]" * 100000 + "</tool_call>"),
+    ("deep arguments", '<tool_call>{"name": "calculate", "arguments": ' + '{"a": ' * 5000 + "1" + "}" * 5001
+     + "</tool_call>"),
+    ("int past 4300 digits", '<tool_call>{"name": "get_order_details", "arguments": {"order_id": ' + "9" * 5000
+     + "}}</tool_call>"),
+    ("nested past the call limit", '<tool_call>{"name": "get_order_details", "arguments": {"order_id": '
+     + "[" * 40 + "]" * 40 + "}}</tool_call>"),
+]
+
+
+@pytest.mark.parametrize("label,text", ESCAPING_CALLS, ids=[b[0] for b in ESCAPING_CALLS])
+def test_nothing_escapes_parsing_and_execution(label, text, db):
+    d = env.canonical_db(db)
+    msg = rollout.parse_assistant("Checking. " + text)
+    out, errors, _ = rollout.execute_calls(d, msg)
+    assert len(out) == 1 and errors == 1 and out[0]["content"].startswith("Error"), out
+    assert len(out[0]["content"]) < 3000
+    json.dumps(msg)  # what is kept in the transcript can still be written out and rendered
+    assert env.db_hash(d) == env.db_hash(db)
+
+
+def test_a_raising_call_tool_becomes_an_error(db):
+    def broken(_db, name, args):
+        raise ConnectionError("server went away")
+    msg = rollout.parse_assistant(synth.tool_call_text("list_all_product_types"))
+    out, errors, _ = rollout.execute_calls(env.canonical_db(db), msg, broken)
+    assert errors == 1 and "server went away" in out[0]["content"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# fuzz: generated malformed agent outputs through parsing, validation and execution
+
+
+def malformed_output(rng, db):
+    """One agent output, drawn from the ways a model (or an attacker) can get a tool call wrong."""
+    oids, uids = list(db["orders"]), list(db["users"])
+    iids = [v for p in db["products"].values() for v in p["variants"]]
+    pids = list(db["products"])
+    uni = "é漢字🙂\u200b\u202e\x00\ufffd\\\"'<>{}[]"
+
+    def junk_str(n=None):
+        n = n if n is not None else rng.choice([0, 1, 5, 40, 300])
+        return "".join(rng.choices(uni + "abc019 #_W@.", k=n))
+
+    def huge_int():
+        return int("9" * rng.choice([20, 400, 4000, 4299]))
+
+    def nested(depth):
+        v = rng.choice([1, "x", None])
+        for _ in range(depth):
+            v = [v] if rng.random() < 0.5 else {"k": v}
+        return v
+
+    def value():
+        kind = rng.randrange(12)
+        if kind == 0:
+            return rng.choice(oids + uids + iids + pids)
+        if kind == 1:
+            return [rng.choice(iids) for _ in range(rng.randrange(0, 4))]
+        if kind == 2:
+            return junk_str()
+        if kind == 3:
+            return rng.choice([0, -1, 3.5, True, False, None, float("inf"), 1e308])
+        if kind == 4:
+            return nested(rng.choice([2, 10, 31, 33, 60]))
+        if kind == 5:
+            return "x" * rng.choice([10_000, 100_000])
+        if kind == 6:
+            return [rng.choice(iids)] * rng.choice([50, 1000])
+        if kind == 7:
+            return {"order_id": rng.choice(oids)}
+        if kind == 8:
+            return rng.choice(oids).lower() + junk_str(2)
+        if kind == 9:
+            return [junk_str(3), 5, None]
+        if kind == 10:
+            return huge_int() if rng.random() < 0.3 else rng.choice(["no longer needed", "ordered by mistake"])
+        return rng.choice(["gift_card_0000000", "paypal_1", ""] + [m for u in db["users"].values()
+                                                                   for m in u["payment_methods"]][:20])
+
+    def calc_bomb():
+        return rng.choice(["*".join(["9**99999"] * 30)[:299], "(" * 500 + "1" + ")" * 500, "-" * 900 + "1",
+                           "9" * 5000, "1/0", "2**4096", "(-8)**0.5", "1e5", "2.0**99999", "1" + "+1" * 499,
+                           "*".join(["7**1000"] * 100), junk_str(50), "((((1)))))", "", " "])
+
+    def call_obj():
+        name = rng.choice(env.TOOL_NAMES * 3 + ["", "launch_rocket", "get_order_details ", junk_str(8), 3, None,
+                                                ["calculate"], "x" * 5000])
+        if name == "calculate" and rng.random() < 0.6:
+            return {"name": name, "arguments": {"expression": calc_bomb()}}
+        params = env._PARAMS.get(name if isinstance(name, str) else "", {"properties": {"order_id": {}}})["properties"]
+        args = {k: value() for k in params if rng.random() < 0.85}
+        if rng.random() < 0.15:
+            args[rng.choice(["verbose", junk_str(4), "order_id"])] = value()
+        r = rng.random()
+        if r < 0.05:
+            return {"name": name, "arguments": json.dumps(args, default=str)[:rng.randrange(1, 200)]}
+        if r < 0.1:
+            return {"name": name, "arguments": rng.choice([None, [], "x", 5, [args]])}
+        if r < 0.13:
+            return {"name": name}
+        if r < 0.16:
+            return [name, args]
+        return {"name": name, "arguments": args}
+
+    def encode_call():
+        try:
+            body = json.dumps(call_obj(), ensure_ascii=rng.random() < 0.5)
+        except ValueError:  # json.dumps of an int past 4300 digits: write it out by hand
+            body = '{"name": "get_order_details", "arguments": {"order_id": ' + "7" * 4400 + "}}"
+        r = rng.random()
+        if r < 0.08:
+            body = body[:rng.randrange(0, len(body) + 1)]  # truncated
+        elif r < 0.12:
+            body = body.replace('"', "'")  # Python-ish quoting
+        elif r < 0.15:
+            body = "[" * rng.choice([100, 1000, 100000]) + body
+        elif r < 0.18:
+            body = '{"name": "get_order_details", "arguments": {"order_id": ' + "1" * rng.choice([4301, 6000]) + "}}"
+        elif r < 0.2:
+            body = body + body  # two objects glued together
+        close = rng.choice(["</tool_call>"] * 6 + ["", "</tool_call", "</tool_call></tool_call>", "<tool_call>"])
+        return "<tool_call>" + body + close
+
+    kind = rng.randrange(10)
+    if kind == 0:  # many calls in one turn
+        return "".join(encode_call() for _ in range(rng.choice([20, 60])))
+    if kind == 1:  # truncated or stray tags in text
+        return rng.choice(["<tool_", "<tool_call", "</tool_call>", "<tool_call><tool_call></tool_call>",
+                           "text <tool_call>", "<TOOL_CALL>{}</TOOL_CALL>", "<tool_call>\n\n</tool_call>"]) + junk_str()
+    if kind == 2:  # unicode text with no call
+        return junk_str(rng.choice([10, 1000, 50000]))
+    return junk_str(rng.choice([0, 10])) + "".join(encode_call() for _ in range(rng.choice([1, 1, 2, 3])))
+
+
+FUZZ_N = 5000
+
+
+def test_fuzz_malformed_outputs_never_escape_and_stay_fast(db):
+    """5,000 seeded malformed outputs through parse_assistant -> execute_calls on a copy of the db: nothing raises,
+    every tool message is a string, every output is answered within 100 ms (per output, time.perf_counter, after
+    a warm-up; an output over the bound is timed twice more and its fastest run counts, so that one scheduler
+    stall on this shared machine is not read as a slow call), and calculate stays bounded."""
+    import random as _random
+    import time as _time
+    rng = _random.Random(1234)
+    d = env.canonical_db(db)
+    rollout.execute_calls(d, rollout.parse_assistant(synth.tool_call_text("list_all_product_types")))  # warm-up
+    worst, n_calls, n_err, kinds = 0.0, 0, 0, collections.Counter()
+
+    def run(text, d):
+        t0 = _time.perf_counter()
+        msg = rollout.parse_assistant(text)
+        out, errors, _ = rollout.execute_calls(d, msg)
+        return _time.perf_counter() - t0, msg, out, errors
+
+    for i in range(FUZZ_N):
+        if i % 200 == 0:
+            d = env.canonical_db(db)  # writes pile up on one copy; start afresh now and then (not timed)
+        text = malformed_output(rng, db)
+        dt, msg, out, errors = run(text, d)
+        if dt > 0.1:
+            dt = min([dt] + [run(text, env.canonical_db(d))[0] for _ in range(2)])
+        worst = max(worst, dt)
+        assert dt < 0.1, (i, dt, text[:200])
+        assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+        assert len(out) == len(msg.get("tool_calls", []))
+        for m in out:
+            assert m["role"] == "tool" and isinstance(m["content"], str) and isinstance(m["name"], str)
+            if m["content"].startswith("Error"):
+                assert len(m["content"]) <= env.MAX_ERROR_CHARS
+        n_calls, n_err = n_calls + len(out), n_err + errors
+        kinds.update(m["content"][:40] for m in out if m["content"].startswith("Error"))
+    print(f"fuzz: {FUZZ_N} outputs, {n_calls} calls, {n_err} errors, slowest output {worst * 1000:.1f} ms")
+    assert n_calls > FUZZ_N and 0 < n_err < n_calls  # the generator reaches the tools, and some calls succeed
+    assert any("too large" in k or "nested deeper" in k for k in kinds)  # calculate bombs were among them
 
 
 def test_two_calls_execute_in_order(db):
@@ -843,3 +1023,121 @@ def test_gpu_requirements_resolve(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert got["torch"] == "2.14.0" and got["vllm"] == "0.33.0" and got["transformers"].startswith("5.")
+
+
+# sampling at temperatures other than 1, and with top-p: what is stored is what the trainer recomputes
+
+
+def stored_vs_trainer(model, tok, tasks, db, temperature, top_p):
+    """Episodes sampled by HFGenerator at (temperature, top_p) -> [(stored log-prob, trainer's log-prob, the
+    trainer's tempered distribution at that position, sampled token)] over every policy token."""
+    import grpo
+    eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, tasks, db, scripted, max_new_tokens=30,
+                               max_turns=3, temperature=temperature, top_p=top_p, seed=7)
+    rows = []
+    for ep in eps:
+        ids = torch.tensor([ep.ids])
+        with torch.no_grad():
+            new, _ = grpo.forward_logprobs(model, ids, torch.ones_like(ids), temperature)
+            logits = model(input_ids=ids).logits[0].float()
+            again = rollout.logprobs_from_logits(logits[None], ids, temperature)[0][0]
+        assert torch.allclose(new[0], again, atol=1e-6)  # the two trainer paths agree
+        probs = torch.softmax(logits / temperature, -1)
+        for t in range(1, len(ep.ids)):
+            if ep.loss_mask[t]:
+                rows.append((ep.logprobs[t], float(new[0, t - 1]), probs[t - 1], ep.ids[t]))
+    assert len(rows) > 50
+    return rows
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_stored_logprobs_match_the_trainer_at_any_temperature(temperature, model, tok, tasks, db):
+    rows = stored_vs_trainer(model, tok, tasks[::4][:4], db, temperature, 1.0)
+    gap = max(abs(a - b) for a, b, _, _ in rows)
+    assert gap < 1e-4, gap
+    # and the temperature was really applied: the untempered log-probs differ
+    rows1 = [(a, float(torch.log(p ** temperature / (p ** temperature).sum())[tk])) for a, _, p, tk in rows]
+    assert max(abs(a - b) for a, b in rows1) > 1e-2
+
+
+def test_top_p_stores_the_untruncated_tempered_logprob(model, tok, tasks, db):
+    """With top_p < 1 the sampler draws only from the nucleus, but what it stores (and what GRPO's ratio compares
+    against) is the log-prob under the full tempered softmax, not under the renormalised nucleus."""
+    top_p, temperature = 0.5, 1.5
+    rows = stored_vs_trainer(model, tok, tasks[::4][:4], db, temperature, top_p)
+    assert max(abs(a - b) for a, b, _, _ in rows) < 1e-4
+    renormalised = 0
+    for stored, _, p, token in rows:
+        sp, si = p.sort(descending=True)
+        rank = int((si == token).nonzero())
+        assert float(sp[:rank].sum()) < top_p + 1e-5  # sampled inside the nucleus
+        nucleus = float(sp[:int(((sp.cumsum(0) - sp) < top_p).sum())].sum())
+        renormalised += abs(stored - (float(torch.log(p[token])) - math.log(nucleus))) > 1e-3
+    assert renormalised > len(rows) // 2  # the stored value is not the nucleus-renormalised one
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints and run folders
+
+
+def test_pruner_never_deletes_the_checkpoint_latest_names(tok, model, tmp_path):
+    """A rerun into an old run's folder: its step 100 is written next to the old 300 and 400. Keeping the two
+    highest step numbers deleted step 100 right after `latest` was pointed at it."""
+    for step in (300, 400, 100):
+        rollout.save_checkpoint(str(tmp_path), step, model, tok)
+    latest = (tmp_path / "latest").read_text().strip()
+    assert latest == "step_000100" and (tmp_path / latest).is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_000100", "step_000400"]
+    rollout.save_checkpoint(str(tmp_path), 200, model, tok)  # the newest two of the new run from here on
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step_")) == ["step_000200", "step_000400"]
+
+
+def test_claim_run_dir(tmp_path):
+    out = tmp_path / "run"
+    assert rollout.claim_run_dir(str(out), resume=False, overwrite=False) is None  # absent: fine
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert rollout.claim_run_dir(str(out), resume=False, overwrite=False) is None  # no run in it: fine
+    (out / "step_000010").mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "latest").write_text("step_000010")
+    msg = rollout.claim_run_dir(str(out), resume=False, overwrite=False)
+    assert "--resume" in msg and "--overwrite" in msg and str(out) in msg and "\n" not in msg
+    assert rollout.claim_run_dir(str(out), resume=True, overwrite=False) is None
+    assert (out / "latest").exists()
+    assert rollout.claim_run_dir(str(out), resume=False, overwrite=True) is None
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # the run's files only
+
+
+def test_open_metrics_torn_lines(tmp_path, capsys):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')  # killed mid-write
+    rollout.open_metrics(str(p), 2).close()
+    assert p.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert "torn last line" in capsys.readouterr().out
+    p.write_text('{"step": 1}\n{"ste\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2:"):
+        rollout.open_metrics(str(p), 2)
+
+
+def test_load_model_messages(tok, model, tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"no checkpoint at {tmp_path}/missing/sft"):
+        rollout.load_model(str(tmp_path / "missing" / "sft"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*afile"):
+        rollout.load_model(str(tmp_path / "afile"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint at ./nowhere"):
+        rollout.load_model("./nowhere")
+    # a run folder whose `latest` names a checkpoint that is gone
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest").write_text("step_000007")
+    with pytest.raises(FileNotFoundError, match=r"step_000007 \(named by .*latest\)"):
+        rollout.load_model(str(tmp_path / "run"))
+    # a folder with the model but no tokenizer
+    rollout.save_checkpoint(str(tmp_path / "ck"), 1, model, tok)
+    ck = tmp_path / "ck" / "step_000001"
+    for f in ck.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            f.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{ck}.*has no tokenizer"):
+        rollout.load_model(str(ck))

@@ -367,3 +367,100 @@ def test_tiny_tokenizer_merges_never_swallow_special_tokens(conversations):
             text = tok.decode([i])
             assert not any(s in text for s in sft.SPECIAL_TOKENS), (i, text)
     assert len(tok("I will cancel order #W")["input_ids"]) < 4  # merges do cross spaces
+
+
+# ----------------------------------------------------------------------------------------------------
+# bad values and reruns are refused up front
+
+
+TINY = dict(batch_size=2, d_model=32, n_layer=2, n_head=2, vocab_size=512, max_len=512, eval_every=100, warmup=1,
+            copy_warmup=0, copy_mix=0)
+
+
+def refused(capsys, **flags):
+    """Run sft.main, which must stop with a message; -> the message (parser.error's or SystemExit's)."""
+    with pytest.raises(SystemExit) as e:
+        run_main(sft, **flags)
+    assert e.value.code not in (0, None)
+    return (str(e.value.code) if isinstance(e.value.code, str) else "") + capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, allowed", [
+    ("batch_size", 0, ">= 1"), ("steps", 0, ">= 1"), ("grad_accum", 0, ">= 1"), ("max_len", 1, ">= 2"),
+    ("eval_frac", 1.5, "in [0, 1)"), ("lr", 0, "> 0"), ("save_every", 0, ">= 1"), ("n_head", 3, "divisor")])
+def test_bad_arguments_name_the_flag_and_range(small_data, tmp_path, capsys, flag, value, allowed):
+    msg = refused(capsys, **sft_args(small_data, tmp_path / "o", **{**TINY, flag: value}))
+    assert "--" + flag.replace("_", "-") in msg and allowed in msg, msg
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_empty_or_too_small_data_is_refused(tmp_path, capsys):
+    empty = tmp_path / "sft.jsonl"
+    empty.write_text("")
+    msg = refused(capsys, **sft_args(empty, tmp_path / "o", **TINY))
+    assert str(empty) in msg and "0 conversations" in msg
+    assert not (tmp_path / "o" / "latest").exists()
+
+
+def test_max_len_shorter_than_the_first_agent_turn_is_refused(small_data, tmp_path, capsys):
+    msg = refused(capsys, **sft_args(small_data, tmp_path / "o", **{**TINY, "max_len": 10}))
+    assert "--max-len 10" in msg and "first agent token" in msg, msg
+    assert not (tmp_path / "o" / "latest").exists()
+
+
+def test_rerun_into_a_run_folder_needs_resume_or_overwrite(small_data, tmp_path, capsys):
+    out = tmp_path / "o"
+    run_main(sft, **sft_args(small_data, out, steps=4, save_every=2, **TINY))
+    before = sorted(p.name for p in out.iterdir())
+    msg = refused(capsys, **sft_args(small_data, out, steps=2, **TINY))  # forgot --resume
+    assert "--resume" in msg and "--overwrite" in msg and str(out) in msg
+    assert sorted(p.name for p in out.iterdir()) == before
+    run_main(sft, **sft_args(small_data, out, steps=2, overwrite=True, **TINY))
+    assert "deleted the earlier run" in capsys.readouterr().out
+    assert (out / "latest").read_text().strip() == "step_000002" and (out / "step_000002").is_dir()
+    assert not (out / "step_000004").exists() and [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_micro_loss_is_the_masked_nll(conversations):
+    """micro_loss checked directly: its value is the NLL of exactly the agent tokens (mask 1) summed and divided by
+    the global count, its gradient reaches only the logits that predict an agent token, and a non-agent target
+    can change without changing it."""
+    tok, model = sft.make_tiny(conversations[:20], 400, 32, 1, 2, SEED)
+    batch = [rollout.encode_conversation(tok, c["messages"], c["tools"]) for c in conversations[20:23]]
+    assert len({len(i) for i, _ in batch}) > 1 and all(sum(m) for _, m in batch)  # right padding is exercised
+    tail = rollout.encode(tok, "<|im_start|>user\nThanks, bye. ###STOP###<|im_end|>\n")  # a user turn after the last
+    batch[0] = (batch[0][0] + tail, batch[0][1] + [0] * len(tail))  # agent turn: masked, and followed by nothing
+    total = 1000.0
+    seen = []
+
+    def keep(module, inputs, out):  # returns None: the output is left as it is
+        out.retain_grad()
+        seen.append(out)
+    hook = model.lm_head.register_forward_hook(keep)
+    loss = sft.micro_loss(model, batch, total, "cpu")
+    loss.backward()
+    hook.remove()
+    loss = loss.detach()
+    want = 0.0
+    for b, (ids, mask) in enumerate(batch):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        want -= sum(float(logp[t - 1, ids[t]]) for t in range(1, len(ids)) if mask[t])
+        per_pos = seen[0].grad[b].abs().sum(-1)  # position t predicts token t + 1
+        for t in range(per_pos.shape[0]):
+            if t + 1 < len(ids) and mask[t + 1]:
+                assert per_pos[t] > 0, (b, t)
+            else:
+                assert per_pos[t] == 0, (b, t)  # system, user, tool tokens and padding carry no gradient
+    assert float(loss) == pytest.approx(want / total, rel=1e-5)
+    # a target after the last agent token is neither trained on nor read by any agent token: the loss ignores it
+    ids, mask = batch[0]
+    last_agent = max(k for k, m in enumerate(mask) if m)
+    changed = list(ids)
+    changed[-1] = (changed[-1] + 7) % len(tok)
+    assert last_agent < len(ids) - 1
+    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu").detach()) == float(loss)
+    changed = list(ids)
+    changed[last_agent] = (changed[last_agent] + 7) % len(tok)  # an agent target: the loss moves
+    assert float(sft.micro_loss(model, [(changed, mask)] + batch[1:], total, "cpu").detach()) != pytest.approx(float(loss))
+    model.zero_grad()

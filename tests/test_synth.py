@@ -615,3 +615,116 @@ def test_tau2_gold_actions_over_mcp():
                 name, args = action["name"], action["arguments"]
                 assert client.call_tool(name, args) == env.call_tool(local, name, args), (task["id"], name)
             assert client.get_db() == local, task["id"]  # plain equality: stricter than db_hash, and cheaper
+
+
+# ----------------------------------------------------------------------------------------------------
+# nothing lost: a failed, empty or interrupted run never destroys earlier outputs
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A data folder as synth.py leaves it: a small shop, 9 train and 9 test tasks, and an sft.jsonl."""
+    data = tmp_path_factory.mktemp("made") / "data"
+    synth.prepare_data(str(data), SEED, n_users=30, n_train=9, n_test=9)
+    util.run_main(synth, data_dir=data)
+    assert len(read_jsonl(data / "sft.jsonl")) == 9
+    return data
+
+
+def copy_of(made, tmp_path):
+    import shutil
+    shutil.copytree(made, tmp_path / "data")
+    return tmp_path / "data"
+
+
+def exits_nonzero(capsys, **flags):
+    with pytest.raises(SystemExit) as e:
+        util.run_main(synth, **flags)
+    assert e.value.code not in (0, None)
+    return str(e.value.code), capsys.readouterr().out
+
+
+def test_failing_user_endpoint_keeps_the_old_output(made, tmp_path, server, monkeypatch, capsys):
+    import functools
+    data = copy_of(made, tmp_path)
+    before = (data / "sft.jsonl").read_bytes()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", functools.partial(rollout.OpenAIChatBackend, backoff=0.001))
+    srv = server([], default=500)
+    msg, out = exits_nonzero(capsys, data_dir=data, user=srv.url, n_tasks=3)
+    assert "no conversation was kept" in msg and "left as it was" in msg
+    assert "dropped 3: errored (user simulator failed" in out and "HTTP N" in out, out  # counted by reason
+    assert (data / "sft.jsonl").read_bytes() == before and not (data / "sft.jsonl.tmp").exists()
+
+
+def test_empty_task_file_or_nothing_kept_keeps_the_old_output(made, tmp_path, capsys):
+    data = copy_of(made, tmp_path)
+    before = (data / "sft.jsonl").read_bytes()
+    msg, _ = exits_nonzero(capsys, data_dir=data, max_turns=1, n_tasks=1)  # a cancel needs more than one turn
+    assert "no conversation was kept" in msg
+    (data / "train_tasks.jsonl").write_text("")
+    msg, _ = exits_nonzero(capsys, data_dir=data)
+    assert "no train tasks" in msg and "train_tasks.jsonl" in msg
+    assert (data / "sft.jsonl").read_bytes() == before
+
+
+def test_missing_shop_never_overwrites_task_files(made, tmp_path, capsys):
+    data = copy_of(made, tmp_path)
+    (data / "shop.json").unlink()
+    mine = [json.loads(line) for line in (data / "train_tasks.jsonl").read_text().splitlines()[:3]]
+    env.save_tasks(mine, data / "train_tasks.jsonl")  # the user's own 3 tasks
+    before = {p.name: p.read_bytes() for p in data.iterdir()}
+    msg, _ = exits_nonzero(capsys, data_dir=data)
+    assert "shop.json is missing" in msg and "train_tasks.jsonl" in msg
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == before  # nothing written, nothing replaced
+    with pytest.raises(FileExistsError):
+        synth.prepare_data(str(data))
+
+
+def test_task_whose_gold_replay_fails_is_dropped_and_counted(made, tmp_path, capsys):
+    """A cancel task on an order that is not pending: its gold cancel fails, and so does the oracle's, so 'did
+    nothing' matches the gold state and the episode scores 1. It must not become training data."""
+    data = copy_of(made, tmp_path)
+    tasks = env.load_tasks(data / "train_tasks.jsonl")
+    task = next(t for t in tasks if t["kind"] == "cancel")
+    oid = next(a for a in task["evaluation_criteria"]["actions"] if a["name"] == "cancel_pending_order")[
+        "arguments"]["order_id"]
+    shop = json.loads((data / "shop.json").read_text())
+    shop["orders"][oid]["status"] = "delivered"
+    (data / "shop.json").write_text(json.dumps(shop))
+    util.run_main(synth, data_dir=data)
+    out = capsys.readouterr().out
+    assert "tried 9, kept 8" in out, out
+    assert "dropped 1: broken task (its gold replay fails: cancel_pending_order: Error: Non-pending order" in out
+    assert task["id"] not in {r["task_id"] for r in read_jsonl(data / "sft.jsonl")}
+
+
+@pytest.mark.slow
+def test_mcp_server_dying_keeps_finished_episodes(made, tmp_path, monkeypatch, capsys):
+    data = copy_of(made, tmp_path)
+    (data / "sft.jsonl").unlink()
+
+    class Dying(MCPToolClient):
+        def reset(self):  # the third episode starts on a server that has just been killed
+            self.resets = getattr(self, "resets", 0) + 1
+            if self.resets == 3:
+                for pid in mcp_server_pids(str(data)):
+                    os.kill(pid, 9)
+            return super().reset()
+
+    monkeypatch.setattr(synth, "MCPToolClient", Dying)
+    msg, out = exits_nonzero(capsys, data_dir=data, tools="mcp", n_tasks=5)
+    assert "MCP server died during episode 3 of 5" in msg, msg
+    assert "tried 2, kept 2" in out
+    rows = read_jsonl(data / "sft.jsonl")
+    assert sorted(r["task_id"] for r in rows) == ["train_0", "train_1"]
+    assert mcp_server_pids(str(data)) == []
+
+
+@pytest.mark.parametrize("flag, value", [("n_tasks", 0), ("max_turns", 0), ("chunk", 0), ("n_train", 0)])
+def test_bad_arguments_name_the_flag_and_range(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        util.run_main(synth, data_dir=tmp_path / "data", **{flag: value})
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--" + flag.replace("_", "-") + " must be >= 1" in err, err
+    assert not (tmp_path / "data").exists()

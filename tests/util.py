@@ -103,11 +103,17 @@ def run_main(module, **over):
 
 
 def main_defaults(module, entry):
-    """The keyword arguments module.main hands to module.<entry> when given no flags (the parser's defaults)."""
+    """The keyword arguments module.main hands to module.<entry> when given no flags (the parser's defaults).
+    Run from an empty folder: main checks its default --out (a checkout with an earlier out/grpo would refuse)."""
+    import tempfile
     from unittest import mock
-    seen = {}
-    with mock.patch.object(module, entry, lambda **kw: seen.update(kw)):
-        module.main([])
+    seen, here = {}, os.getcwd()
+    with tempfile.TemporaryDirectory() as empty, mock.patch.object(module, entry, lambda **kw: seen.update(kw)):
+        os.chdir(empty)
+        try:
+            module.main([])
+        finally:
+            os.chdir(here)
     return seen
 
 
