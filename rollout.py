@@ -800,26 +800,43 @@ def load_smollm2(cache_dir):
 # distributed runs and logging: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; alone, everything is rank 0 of 1
 
 
+def process_group_spec(cuda, local_rank):
+    """-> (init_process_group's backend, this rank's device). On GPUs one process group serves both kinds of
+    tensor: NCCL for CUDA tensors (gradients, FSDP's all-gathers), gloo for CPU ones (token counts, metrics,
+    CPU-offloaded shards); on CPUs gloo alone."""
+    return ("cpu:gloo,cuda:nccl", f"cuda:{local_rank}") if cuda else ("gloo", "cpu")
+
+
 def setup_distributed():
     if "RANK" not in os.environ:
         return 0, 1, "cuda" if torch.cuda.is_available() else "cpu"
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend, device = process_group_spec(torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0)))
+    if device != "cpu":
+        torch.cuda.set_device(device)  # else every rank's NCCL communicator and default tensors land on GPU 0
     torch.distributed.init_process_group(backend)
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu"
-    return rank, world, device
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def _collective(x, op):
+    """all_reduce x in place, on a device the process group serves: a CPU tensor goes through gloo where the
+    group has it, else (an NCCL-only group) through this rank's GPU and back."""
+    if not torch.distributed.is_initialized():
+        return x
+    if x.device.type == "cpu" and "gloo" not in str(torch.distributed.get_backend()):
+        y = x.to(torch.device("cuda", torch.cuda.current_device()))
+        torch.distributed.all_reduce(y, op=op)
+        x.copy_(y.cpu())
+    else:
+        torch.distributed.all_reduce(x, op=op)
+    return x
 
 
 def all_reduce_sum(x):
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x)
-    return x
+    return _collective(x, torch.distributed.ReduceOp.SUM)
 
 
 def all_reduce_max(x):
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
-    return x
+    return _collective(x, torch.distributed.ReduceOp.MAX)
 
 
 def open_metrics(path, start_step):
