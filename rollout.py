@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import env
@@ -258,9 +259,52 @@ def pad_batch(seqs, pad_id, device):
     return ids.to(device), lmask.to(device), attn.to(device)
 
 
-def token_logprobs(model, ids, attn, temperature=1.0):
-    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature."""
+LOGPROB_CHUNK = 2048  # token rows whose fp32 (rows, vocab) logits exist at once: 2048 x 151936 x 4 B = 1.2 GB
+
+
+def token_logprobs(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK):
+    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature.
+    `chunk` rows of logits at a time (logprobs_chunked); chunk=None computes the whole (B, T, V) logits."""
+    if chunk:
+        return logprobs_chunked(model, ids, attn, temperature, chunk)[0]
     return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
+
+
+def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, with_entropy=False):
+    """What logprobs_from_logits computes, without the (B, T, V) logits: for the length of this forward the
+    model's output layer is swapped for one that turns the final hidden states into the log-probs of the next
+    tokens directly, `chunk` token rows at a time, each chunk under activation checkpointing (its logits are
+    recomputed in the backward instead of kept). At Qwen3's vocabulary (151,936) and 16k tokens the full fp32
+    logits alone are 10 GB, their log-softmax and gradient as much again; a chunk is 1.2 GB. The swap happens
+    inside the model's own forward, so DDP's and FSDP's hooks see an ordinary forward.
+    -> (log-probs (B, T-1), entropy (B, T-1) or None, greedy (B, T-1) bool: the next token is the argmax)."""
+    head = unwrap(model).get_output_embeddings()  # the lm_head Linear (tied or not), also under peft
+    targets = ids[:, 1:]
+
+    def to_logprobs(hidden):  # hidden (B, T, H) -> (B, T-1, 3): log-prob, entropy, greedy hit
+        B, T, H = hidden.shape
+        h, tgt = hidden[:, :-1].reshape(-1, H), targets.reshape(-1)
+        rows = []
+        for i in range(0, h.shape[0], chunk):
+            args = (h[i:i + chunk], head.weight, head.bias, tgt[i:i + chunk], temperature, with_entropy)
+            rows.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+                        if torch.is_grad_enabled() else _chunk_logprobs(*args))
+        return torch.cat(rows).view(B, T - 1, 3)
+
+    head.forward = to_logprobs  # an instance attribute: shadows the class's forward until deleted
+    try:
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+    finally:
+        del head.forward
+    return out[..., 0], out[..., 1] if with_entropy else None, out[..., 2].bool()
+
+
+def _chunk_logprobs(h, weight, bias, tgt, temperature, with_entropy):
+    """h (n, H), tgt (n,) -> (n, 3): log p(tgt), the entropy (0 unless asked), 1 where tgt is the argmax."""
+    logp = torch.log_softmax(torch.nn.functional.linear(h, weight, bias).float() / temperature, -1)  # (n, V)
+    lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(lp)
+    return torch.stack([lp, ent, (logp.argmax(-1) == tgt).float()], -1)
 
 
 def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
