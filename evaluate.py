@@ -26,7 +26,8 @@ from math import comb
 import torch
 
 import env
-from rollout import HFGenerator, VLLMGenerator, load_model, make_user_factory, resolve_checkpoint, run_episodes
+from rollout import (HFGenerator, VLLMGenerator, load_model, make_user_factory, require_vllm, resolve_checkpoint,
+                     run_episodes)
 
 
 def pass_hat_k(outcomes, k):
@@ -108,6 +109,7 @@ def main(argv=None):
                    default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
                    help="name=path (a run folder, a checkpoint or a hub id); default: the demo's four rows")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the agent's sampler")
+    g.add_argument("--vllm-gpu-memory", type=float, default=0.5, help="vLLM's share of the GPU (its weights + KV cache)")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and test_tasks.jsonl")
     g.add_argument("--tasks", default=None, help="any tau2 tasks.json / our JSONL (default: the generated test split)")
@@ -133,9 +135,11 @@ def main(argv=None):
     return run(**vars(p.parse_args(argv)))
 
 
-def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
-        max_len, seed, user, user_model, user_guidelines, out):
+def run(*, models, backend, vllm_gpu_memory, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns,
+        max_new_tokens, max_len, seed, user, user_model, user_guidelines, out):
     """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
+    if backend == "vllm":
+        require_vllm()
     torch.manual_seed(seed)
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
     test = env.load_tasks(tasks or os.path.join(data_dir, "test_tasks.jsonl"))[:n_tasks]
@@ -145,8 +149,9 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     ks = list(range(1, k + 1))
     results = {}
     for name, path in parse_models(models).items():
-        model, tok = load_model(path, device=device)
-        gen = VLLMGenerator(resolve_checkpoint(path), tok) if backend == "vllm" else HFGenerator(model, tok)
+        model, tok = load_model(path, device=device if backend == "hf" else "cpu")  # vLLM loads its own copy
+        gen = (VLLMGenerator(resolve_checkpoint(path), tok, gpu_memory_utilization=vllm_gpu_memory)
+               if backend == "vllm" else HFGenerator(model, tok))
         eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
                              max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature)
         with open(os.path.join(out, f"{name}.jsonl"), "w") as f:

@@ -163,7 +163,7 @@ def test_gradient_only_through_policy_tokens(tiny):
     ids, m, attn, old, adv = grpo.episode_batch([ep], torch.tensor([1.0]), "cpu")
     logits = model(input_ids=ids, attention_mask=attn).logits
     logits.retain_grad()
-    new, _ = grpo.logprobs_from_logits(logits, ids, 1.0)
+    new, _ = rollout.logprobs_from_logits(logits, ids, 1.0)
     loss, _ = grpo.policy_loss(new, old, adv, m)
     loss.backward()
     per_pos = logits.grad[0].abs().sum(-1)  # (T,): position t predicts token t+1
