@@ -72,7 +72,12 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
     lora = {k: v for k, v in sd.items() if ".lora_" in k}
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        hf_model(model).save_pretrained(tmp, state_dict=dict(hf_weights(sd, scaling=lora_scaling(model))))
+        weights = dict(hf_weights(sd, scaling=lora_scaling(model)))
+        hf = hf_model(model)
+        if getattr(hf.config, "tie_word_embeddings", False):  # gathered shards come back as separate copies
+            for k in getattr(hf, "_tied_weights_keys", None) or []:
+                weights.pop(k, None)
+        hf.save_pretrained(tmp, state_dict=weights)
         tok.save_pretrained(tmp)
     del sd
     opt = optimizer_state(model, optimizer) if optimizer else None
@@ -1021,7 +1026,7 @@ class Scale:
         from transformers import AutoConfig
         shapes = Shapes.of(AutoConfig.from_pretrained(resolve_checkpoint(path)))
         gpu = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        host = host_memory_per_rank()
         run = dict(lora_rank=self.lora_rank, bf16=self.bf16, beta=beta, seq_len=seq_len, micro_batch=micro_batch,
                    host_bytes=host)
         plan = memory_plan(shapes, world=self.world, fsdp=self.fsdp, cpu_offload=self.cpu_offload,
@@ -1037,6 +1042,11 @@ class Scale:
         raise SystemExit(f"{path} ({shapes.n_params / 1e9:.2f}B parameters) does not fit {self.world} GPU(s) of "
                          f"{gpu / GiB:.1f} GiB with {host / GiB:.0f} GiB host memory each: memory plan "
                          f"{plan_text(plan)}.\n{better}")
+
+
+def host_memory_per_rank():
+    """This machine's memory divided among the ranks torchrun started on it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def add_lora(model, *, rank, alpha, targets=LORA_TARGETS):
