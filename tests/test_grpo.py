@@ -706,3 +706,14 @@ def test_backend_vllm_without_vllm_names_the_install(world, tmp_path, monkeypatc
     with pytest.raises(SystemExit, match=r"pip install -r requirements-gpu\.txt"):
         run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, backend="vllm"))
     assert not (tmp_path / "g").exists()  # it stopped before anything was loaded or written
+
+
+def test_gpu_check_cpu_smoke():
+    """tests/gpu_check.py (the prepared GPU check) runs end to end on the CPU at tiny sizes (~6 s): SFT steps,
+    GRPO steps with the transformers sampler under FSDP2 at world size 1, the log-prob agreement, the table."""
+    template = SHARED / "templates" / "qwen3.jinja"
+    r = run_py("tests/gpu_check.py", "--cpu-smoke", *(["--template", template] if template.is_file() else []))
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| tiny (smoke) |")]
+    assert [row.split(" | ")[1].split(" (")[0] for row in rows] == [
+        "SFT step", "GRPO rollout", "GRPO update", "sampler vs trainer log-probs"]
+    assert "max abs diff" in rows[-1] and "FSDP2 world size 1" in r.stdout
