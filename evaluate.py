@@ -109,7 +109,8 @@ def main(argv=None):
                    default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
                    help="name=path (a run folder, a checkpoint or a hub id); default: the demo's four rows")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the agent's sampler")
-    g.add_argument("--vllm-gpu-memory", type=float, default=0.5, help="vLLM's share of the GPU (its weights + KV cache)")
+    g.add_argument("--vllm-gpu-memory", type=float, default=0.5,
+                   help="vLLM's share of the GPU (its weights + KV cache)")
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and test_tasks.jsonl")
     g.add_argument("--tasks", default=None, help="any tau2 tasks.json / our JSONL (default: the generated test split)")

