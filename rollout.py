@@ -991,8 +991,8 @@ class Scale:
         if cpu_offload and not on:
             raise SystemExit("--cpu-offload offloads FSDP's shards: it needs FSDP (--fsdp on)")
         ckpt = activation_checkpointing == "on" or (activation_checkpointing == "auto" and on)
-        return cls(on, ckpt, cpu_offload, lora_rank, lora_alpha or 2.0 * lora_rank, bool(cuda and
-                   torch.cuda.is_bf16_supported()), world, str(device))
+        bf16 = bool(cuda and torch.cuda.is_bf16_supported())
+        return cls(on, ckpt, cpu_offload, lora_rank, lora_alpha or 2.0 * lora_rank, bf16, world, str(device))
 
     @property
     def load_kw(self):
