@@ -35,7 +35,7 @@ import torch
 
 import env
 from rollout import (ChatAgent, agent_system_prompt, errored_reasons, errored_summary, load_agent, make_user_factory,
-                     run_episodes)
+                     require_vllm, run_episodes)
 
 
 def pass_hat_k(outcomes, k):
@@ -146,6 +146,7 @@ def main(argv=None):
                    default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
                    help="name=path: a run folder, checkpoint, hub id or OpenAI-compatible URL (default: the demo's)")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the agent's sampler (checkpoints)")
+    g.add_argument("--vllm-gpu-memory", type=float, default=0.5, help="vLLM's share of the GPU (weights + KV cache)")
     g.add_argument("--agent-model", default=None, help="model name at an endpoint in --models (default: its name)")
     g.add_argument("--thinking", default=None, choices=["on", "off"],
                    help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
@@ -197,16 +198,18 @@ def main(argv=None):
     a = vars(ns)
     bench, bfcl_kw = a.pop("bench"), {k: a.pop(k) for k in ("categories", "n", "batch")}
     if bench == "bfcl":
-        shared = ("models", "backend", "agent_model", "thinking", "temperature", "max_turns", "max_new_tokens",
-                  "max_len", "seed", "out", "llm_concurrency", "llm_deadline")
+        shared = ("models", "backend", "vllm_gpu_memory", "agent_model", "thinking", "temperature", "max_turns",
+                  "max_new_tokens", "max_len", "seed", "out", "llm_concurrency", "llm_deadline")
         return run_bfcl(**bfcl_kw, **{k: a[k] for k in shared})
     return run(**a)
 
 
 def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
         max_len, seed, user, user_model, user_guidelines, out, agent_model=None, policy_file=None, thinking=None,
-        llm_concurrency=64, llm_deadline=300.0):
+        llm_concurrency=64, llm_deadline=300.0, vllm_gpu_memory=0.5):
     """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
+    if backend == "vllm":
+        require_vllm()
     out, max_turns = out or "out/eval", max_turns or 16
     torch.manual_seed(seed)
     shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
@@ -223,7 +226,8 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     results = {}
     for name, path in parse_models(models).items():
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
-                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline)
+                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
+                                    vllm_gpu_memory=vllm_gpu_memory)
         make_agent, agents = endpoint_agents(chat, lambda task: env.TOOL_SCHEMAS, max_new_tokens=max_new_tokens,
                                              temperature=temperature)
         eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
@@ -473,7 +477,7 @@ def bfcl_markdown(results, categories):
 
 
 def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature, max_turns, max_new_tokens,
-             max_len, seed, out, thinking=None, llm_concurrency=64, llm_deadline=300.0):
+             max_len, seed, out, thinking=None, llm_concurrency=64, llm_deadline=300.0, vllm_gpu_memory=0.5):
     """Every model on the chosen BFCL categories; print and write the table. -> results dict."""
     out = out or "out/eval_bfcl"
     categories = bfcl_categories(categories)
@@ -487,7 +491,8 @@ def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature,
     for name, path in parse_models(models).items():
         run_name = "mua_" + re.sub(r"\W", "_", name)  # bfcl-eval keys instances by it: no spaces, no '@'
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
-                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline)
+                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
+                                    vllm_gpu_memory=vllm_gpu_memory)
         make_agent, agents = endpoint_agents(chat, lambda task: task["world"].tools, max_new_tokens=max_new_tokens,
                                              temperature=temperature)
         eps, worlds = bfcl_play(gen, tok, entries, run_name=run_name, make_agent=make_agent, fc=chat is not None,

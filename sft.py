@@ -33,9 +33,10 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
-from rollout import (all_reduce_sum, autocast, chatml_template, claim_run_dir, encode_conversation, load_model,
-                     logprobs_from_logits, open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint,
-                     set_thinking, setup_distributed, token_logprobs, unwrap)
+from rollout import (LOGPROB_CHUNK, Scale, add_scale_args, all_reduce_sum, autocast, chatml_template, claim_run_dir,
+                     clip_grad, encode_conversation, load_model, load_optimizer_state, logprobs_chunked, open_metrics,
+                     pad_batch, render, resolve_checkpoint, save_checkpoint, set_thinking, setup_distributed,
+                     token_logprobs, unwrap)
 
 
 def main(argv=None):
@@ -71,6 +72,7 @@ def main(argv=None):
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every n steps (and at the end)")
     g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
+    add_scale_args(p)
     a = p.parse_args(argv)
     for flag, ok, allowed in [  # checked up front: a bad value used to train quietly at loss 0, or crash late
             ("--steps", a.steps >= 1, ">= 1"), ("--batch-size", a.batch_size >= 1, ">= 1"),
@@ -94,14 +96,23 @@ def main(argv=None):
                  grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip,
                  max_len=a.max_len, eval_every=a.eval_every, eval_frac=a.eval_frac, save_every=a.save_every,
                  resume=a.resume, thinking=a.thinking, seed=a.seed,
-                 redraw=a.redraw == "on" or (a.redraw == "auto" and tiny is not None))
+                 redraw=a.redraw == "on" or (a.redraw == "auto" and tiny is not None), fsdp=a.fsdp,
+                 cpu_offload=a.cpu_offload, activation_checkpointing=a.activation_checkpointing,
+                 lora_rank=a.lora_rank, lora_alpha=a.lora_alpha)
 
 
 def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, clip, max_len,
-          eval_every, eval_frac, save_every, resume, thinking, redraw, seed):
+          eval_every, eval_frac, save_every, resume, thinking, redraw, seed, fsdp, cpu_offload,
+          activation_checkpointing, lora_rank, lora_alpha):
     """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
-    -> (model, tokenizer)."""
+    The last five arguments are rollout.add_scale_args' flags. -> (model, tokenizer)."""
     rank, world, device = setup_distributed()
+    scale = Scale.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+                          lora_rank=lora_rank, lora_alpha=lora_alpha, world=world, device=device)
+    if tiny and lora_rank:
+        raise SystemExit("LoRA adapts a pretrained model: give --model a checkpoint")
+    if not tiny:
+        scale.check_memory(model, seq_len=max_len, micro_batch=batch_size)
     torch.manual_seed(seed)
     convs = load_conversations(data)
     n_eval = max(1, int(len(convs) * eval_frac))
@@ -110,16 +121,16 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
                          "evaluation and train on the rest")
     random.Random(seed).shuffle(convs)
     os.makedirs(out, exist_ok=True)
-    start, warm = 0, {}
-    if resume and os.path.isfile(os.path.join(out, "latest")):
-        net, tok = load_model(out, device=device)
+    start, warm, state = 0, {}, {}
+    if resume and os.path.isfile(os.path.join(out, "latest")):  # with LoRA: the base model and the saved adapter
+        net, tok = load_model(model if lora_rank else out, **scale.load_kw)
         state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False)
         start = state["step"]
     elif tiny:
         tok, net, warm = tiny_model(convs, tiny, lr=lr, seed=seed, device=device,
                                     init_dir=os.path.join(out, "init") if rank == 0 else None)
     else:
-        net, tok = load_model(model, device=device)
+        net, tok = load_model(model, **scale.load_kw)
     set_thinking(tok, thinking)
     copy_mix = CopyMix(tok, tiny.copy_mix, seed, device) if tiny and tiny.copy_mix else None
 
@@ -133,11 +144,11 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         first = min(encode_conversation(tok, c["messages"], c.get("tools"))[1].index(1) for c in train_convs[:32])
         raise SystemExit(f"sft.py: --max-len {max_len} cuts every conversation of {data} before its first agent "
                          f"token (the earliest is token {first}); raise --max-len")
-    if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    net = scale.prepare(net, lora_state=state.get("lora"))  # LoRA, then FSDP2 / DDP (rollout.wrap_model)
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+                            betas=(0.9, 0.95))
     if start:
-        opt.load_state_dict(state["optimizer"])
+        load_optimizer_state(net, opt, state["optimizer"])
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     per_step = batch_size * grad_accum * world
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="sft")
@@ -165,7 +176,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
                 loss = loss + copy_mix.loss(net, step, rank)
             loss.backward()
         loss_t = all_reduce_sum(torch.tensor(loss_sum))
-        gnorm = torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        gnorm = clip_grad(net, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         rec = {"step": step + 1, "loss": float(loss_t), "lr": opt.param_groups[0]["lr"],
@@ -182,8 +193,8 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
             bar.set_postfix(loss=f"{rec['loss']:.3f}", **shown)
             log.write(json.dumps(rec) + "\n")
             log.flush()
-            if (step + 1) % save_every == 0 or step + 1 == steps:
-                save_checkpoint(out, step + 1, net, tok, opt)
+        if (step + 1) % save_every == 0 or step + 1 == steps:  # every rank: FSDP gathers the weights first
+            save_checkpoint(out, step + 1, net, tok, opt)
     if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -200,7 +211,7 @@ def micro_loss(model, batch, total_tokens, device):
     gives plain language-model loss on every token.)"""
     ids, lmask, attn = pad_batch(batch, 0, device)
     with autocast(device):
-        lp = token_logprobs(model, ids, attn)
+        lp = token_logprobs(model, ids, attn, chunk=LOGPROB_CHUNK)  # never the whole (B, T, V) logits
     return -(lp * lmask[:, 1:]).sum() / total_tokens
 
 
@@ -219,10 +230,10 @@ def eval_heldout(model, tok, data, batch_size, device):
     for i in range(0, len(data), batch_size):
         ids, lmask, attn = pad_batch(data[i:i + batch_size], 0, device)
         with autocast(device):
-            logits = model(input_ids=ids, attention_mask=attn).logits  # (B, T, V)
+            lp, _, greedy = logprobs_chunked(model, ids, attn)  # (B, T-1) each; no (B, T, V) logits at once
         tgt, m = ids[:, 1:], lmask[:, 1:].bool()
-        nll -= float((logprobs_from_logits(logits, ids)[0] * m).sum())
-        ok, d = (logits[:, :-1].argmax(-1) == tgt) & m, copied[tgt] & m
+        nll -= float((lp * m).sum())
+        ok, d = greedy & m, copied[tgt] & m
         hit, n, dhit, dn = hit + int(ok.sum()), n + int(m.sum()), dhit + int((ok & d).sum()), dn + int(d.sum())
     model.train()
     return {"eval_loss": nll / max(1, n), "eval_acc": hit / max(1, n), "eval_id_acc": dhit / max(1, dn)}

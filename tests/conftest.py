@@ -38,6 +38,12 @@ def server():
         s.close()
 
 
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """`import vllm` gives util.fake_vllm_module() for this test (no vllm needed)."""
+    monkeypatch.setitem(sys.modules, "vllm", util.fake_vllm_module())
+
+
 @pytest.fixture(scope="session")
 def world(tmp_path_factory):
     """A generated shop (data/) and a tiny SFT checkpoint of 3 steps: it calls tools badly, which is all GRPO and

@@ -163,7 +163,7 @@ def test_gradient_only_through_policy_tokens(tiny):
     ids, m, attn, old, adv = grpo.episode_batch([ep], torch.tensor([1.0]), "cpu")
     logits = model(input_ids=ids, attention_mask=attn).logits
     logits.retain_grad()
-    new, _ = grpo.logprobs_from_logits(logits, ids, 1.0)
+    new, _ = rollout.logprobs_from_logits(logits, ids, 1.0)
     loss, _ = grpo.policy_loss(new, old, adv, m)
     loss.backward()
     per_pos = logits.grad[0].abs().sum(-1)  # (T,): position t predicts token t+1
@@ -753,3 +753,145 @@ def test_resume_of_a_learning_run_matches_the_straight_run(world, tmp_path, monk
     w1 = weights(tmp_path / "b" / "step_000001")
     assert any(not torch.allclose(w1[k], wb[k], rtol=0, atol=1e-6) for k in w1)  # step 2 did move the weights
     assert any(not torch.equal(w0[k], w1[k]) for k in w0)
+
+
+# at scale: FSDP2 against one process, LoRA, the vLLM sampler around the update, the GPU check's CPU smoke run
+
+
+class FullGrads(CaptureOpt):
+    """CaptureOpt for a sharded model: each gradient gathered whole (a collective every rank runs)."""
+
+    def step(self):
+        whole = [p.grad.full_tensor() if rollout.is_sharded(p.grad) else p.grad for p in self.params]
+        self.grads.append(torch.cat([torch.zeros(p.numel()) if g is None else g.flatten()
+                                     for p, g in zip(self.params, whole)]))
+
+
+FSDP_CASES = [("full", 0.0), ("full", 0.1), ("lora", 0.1)]
+
+
+def _policy_and_ref(model, kind, beta, wrap):
+    """The policy (LoRA adapters seeded alike in every process) and its reference, each through `wrap`."""
+    if kind == "lora":
+        torch.manual_seed(0)
+        policy = wrap(rollout.add_lora(copy.deepcopy(model), rank=4, alpha=8))
+        return policy, rollout.AdapterOff(policy)  # the reference: the policy with its adapters off
+    ref = wrap(copy.deepcopy(model).eval().requires_grad_(False)) if beta else None
+    return wrap(copy.deepcopy(model)), ref
+
+
+def _fsdp_rank(rank, world, port, model, eps, advs, out):
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    got = {}
+    for kind, beta in FSDP_CASES:  # with beta > 0 every episode runs, and the reference is sharded too
+        policy, ref = _policy_and_ref(model, kind, beta, lambda m: rollout.wrap_model(
+            m, fsdp=True, world=world, device="cpu", bf16=False, activation_checkpointing=True))
+        opt = FullGrads(policy)
+        mine = slice(rank * 2, rank * 2 + 2)
+        grpo.update(policy, ref, opt, eps[mine], advs[mine], **_args(micro_batch=1, beta=beta), device="cpu",
+                    world=world)
+        got[kind, beta] = opt.grads[0]
+    if rank == 0:
+        torch.save(got, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # past here only interpreter teardown, where gloo's threads sometimes abort (seen: SIGABRT)
+
+
+@pytest.mark.slow
+def test_fsdp_update_matches_one_process(tiny, tmp_path):
+    """FSDP2 (fully_shard on a CPU mesh, 2 gloo ranks, activation checkpointing) against one process on the same
+    global batch: the same gradient, for full fine-tuning with and without a (sharded) reference and for LoRA
+    (the reference: adapters off). Rank 1 holds only zero-advantage episodes, so with beta 0 it runs dummy
+    micro-batches: under FSDP every forward all-gathers, so ranks must run as many forwards as each other, or
+    they hang. Tolerance 1e-6 absolute (fp32; only the order of the sums differs)."""
+    tok, model = tiny
+    eps = [_episode(tok, [0] * 3 + [1] * n + [0] * 2, s) for s, n in enumerate([2, 7, 4, 1])]
+    advs = torch.tensor([1.0, -0.5, 0.0, 0.0])
+    want = {}
+    for kind, beta in FSDP_CASES:
+        policy, ref = _policy_and_ref(model, kind, beta, lambda m: m)
+        opt = FullGrads(policy)
+        grpo.update(policy, ref, opt, eps, advs, **_args(micro_batch=1, beta=beta), device="cpu", world=1)
+        want[kind, beta] = opt.grads[0]
+    port = 29500 + random.Random().randrange(2000)
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, 2, port, model, eps, advs, tmp_path / "g.pt"), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # None: a rank hung
+    got = torch.load(tmp_path / "g.pt")
+    for case in FSDP_CASES:
+        assert torch.allclose(got[case], want[case], atol=1e-6), case
+        assert want[case].abs().max() > 0
+
+
+def test_lora_grpo_merged_checkpoints_and_exact_resume(world, tmp_path, monkeypatch):
+    """--lora-rank: the reference for the KL term is the policy with its adapters off (no copy of the model);
+    checkpoints hold merged weights that load_model reads as a plain model; a resumed run restores the adapter
+    and AdamW state from train_state.pt and continues exactly as the uninterrupted run."""
+    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    monkeypatch.setattr(grpo, "copy", SimpleNamespace(deepcopy=lambda *a: pytest.fail("LoRA copied the model")))
+    kw = dict(beta=0.01, lora_rank=4, lr=1e-2, save_every=1)
+    policy, tok = run_main(grpo, **tiny_grpo(world, tmp_path / "full", steps=2, **kw))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "cut", steps=1, **kw))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "cut", steps=2, resume=True, **kw))
+    full, cut = read_jsonl(tmp_path / "full" / "metrics.jsonl"), read_jsonl(tmp_path / "cut" / "metrics.jsonl")
+    assert full[0]["kl"] == 0.0 and full[1]["kl"] > 0  # adapters start at zero: policy = reference at step 1
+    for k in ("loss", "kl", "grad_norm", "reward_mean", "tokens_generated"):
+        assert cut[1][k] == pytest.approx(full[1][k], rel=1e-5), k
+    wf, wc = weights(tmp_path / "full"), weights(tmp_path / "cut")
+    assert wf.keys() == weights(world.sft).keys()  # plain transformers names: no adapter keys
+    assert all(torch.allclose(wf[k], wc[k], atol=1e-6) for k in wf)
+    state = torch.load(tmp_path / "full" / "step_000002" / "train_state.pt", weights_only=False)
+    assert state["lora"] and all(".lora_" in k for k in state["lora"])
+    merged, _ = rollout.load_model(str(tmp_path / "full"))
+    ids = torch.tensor([[5, 9, 17, 33, 8, 60, 2]])
+    assert torch.allclose(rollout.token_logprobs(merged, ids, torch.ones_like(ids)),
+                          rollout.token_logprobs(policy, ids, torch.ones_like(ids)), atol=1e-5)
+
+
+def test_vllm_sleeps_through_the_update(world, fake_vllm, monkeypatch):
+    """grpo_step with the vLLM sampler: the engine sleeps before the update and wakes for the new weights, then
+    for its KV cache, then drops its cached prefixes."""
+    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    model, tok = rollout.load_model(str(world.sft))
+    gen = rollout.VLLMGenerator(str(world.sft), tok)
+    gen.sleeps = True  # as on CUDA
+    real = grpo.update
+    monkeypatch.setattr(grpo, "update", lambda *a, **k: gen.llm.calls.append(("update",)) or real(*a, **k))
+    shop = env.load_db(world.data / "shop.json")
+    tasks = env.load_tasks(world.data / "train_tasks.jsonl")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    kw = _step_kw(group=2, batch_tasks=2, max_turns=1, max_len=512, max_new_tokens=8)
+    rec = grpo.grpo_step(model, None, opt, gen, tok, tasks, shop, rollout.make_user_factory(), step=0, **kw)
+    assert rec["update_skipped"] == 0
+    assert [c[0] for c in gen.llm.calls] == ["sleep", "update", "wake_up", "reload_weights", "wake_up",
+                                             "reset_prefix_cache"]
+
+
+def test_backend_vllm_without_vllm_names_the_install(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else 1)
+    with pytest.raises(SystemExit, match=r"pip install -r requirements-gpu\.txt"):
+        run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, backend="vllm"))
+    assert not (tmp_path / "g").exists()  # it stopped before anything was loaded or written
+
+
+def test_gpu_check_cpu_smoke():
+    """tests/gpu_check.py (the prepared GPU check) runs end to end on the CPU at tiny sizes (~6 s): SFT steps,
+    GRPO steps with the transformers sampler under FSDP2 at world size 1, the log-prob agreement, the table."""
+    template = SHARED / "templates" / "qwen3.jinja"
+    r = run_py("tests/gpu_check.py", "--cpu-smoke", *(["--template", template] if template.is_file() else []))
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| tiny (smoke) |")]
+    assert [row.split(" | ")[1].split(" (")[0] for row in rows] == [
+        "SFT step", "GRPO rollout", "GRPO update", "sampler vs trainer log-probs"]
+    assert "max abs diff" in rows[-1] and "FSDP2 world size 1" in r.stdout

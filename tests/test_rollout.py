@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1141,3 +1142,250 @@ def test_load_model_messages(tok, model, tmp_path):
             f.unlink()
     with pytest.raises(FileNotFoundError, match=f"{ck}.*has no tokenizer"):
         rollout.load_model(str(ck))
+
+
+def test_vllm_group_copies_differ_with_a_deterministic_user(vllm_world, engine):
+    """8 copies of one task against a user that answers the same way every time (the scripted user with one
+    fixed seed): only the policy's sampling can tell them apart, and each prompt has its own seed."""
+    db, tasks, path = vllm_world
+    _, tok = rollout.load_model(path)
+    eps = rollout.run_episodes(engine, tok, [tasks[0]] * 8, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=2,
+                               max_new_tokens=24, temperature=1.0, seed=3)
+    assert len({tuple(e.ids) for e in eps}) >= 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# the vLLM sampler against a stand-in `vllm` module (no vllm needed): seeds, engine options, sleep and weight push
+
+
+def test_vllm_each_prompt_gets_its_own_seed(fake_vllm, tok, tasks, db, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    gen = rollout.VLLMGenerator("some/checkpoint", tok, gpu_memory_utilization=0.3)
+    kw = gen.llm.kw
+    assert kw["gpu_memory_utilization"] == 0.3 and kw["enable_prefix_caching"]
+    assert "distributed_executor_backend" not in kw  # one process: vLLM's own single worker
+    assert kw["enable_sleep_mode"] is torch.cuda.is_available()  # sleep mode exists on CUDA only
+    group = [tasks[0]] * 8  # a GRPO group: 8 copies of one task, so 8 identical first prompts
+    rollout.run_episodes(gen, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=5)
+    first = gen.llm.params[0]
+    assert isinstance(first, list) and len(first) == 8  # one SamplingParams per prompt, not one for all
+    seeds = [p.seed for p in first]
+    assert len(set(seeds)) == 8 and all(0 <= s < 2 ** 31 for s in seeds)
+    assert {p.max_tokens for p in first} == {256} and first[0].stop_token_ids == [tok.eos_token_id]
+    again = rollout.VLLMGenerator("some/checkpoint", tok)
+    rollout.run_episodes(again, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=5)
+    assert [p.seed for p in again.llm.params[0]] == seeds  # seeded: a rerun samples the same
+    rollout.run_episodes(again, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=6)
+    assert not set(p.seed for p in again.llm.params[-1]) & set(seeds)  # another call seed, other seeds
+
+
+def test_vllm_under_torchrun_sleeps_and_gets_bf16_weights(fake_vllm, tok, monkeypatch):
+    """Under torchrun each rank's engine joins the ranks' process group on its own GPU (external_launcher); on
+    CUDA it sleeps through the update and wakes for the weights first, then for its KV cache."""
+    monkeypatch.setenv("RANK", "3")
+    gen = rollout.VLLMGenerator("some/checkpoint", tok, dtype="bfloat16")
+    assert gen.llm.kw["distributed_executor_backend"] == "external_launcher" and gen.llm.kw["dtype"] == "bfloat16"
+    gen.sleeps = True  # as on CUDA
+    model = sft.build_tiny_model(tok, d_model=16, n_layer=1, n_head=2)
+    gen.sleep()
+    gen.load_weights(model)
+    assert [c[0] for c in gen.llm.calls] == ["sleep", "wake_up", "reload_weights", "wake_up", "reset_prefix_cache"]
+    assert gen.llm.calls[0] == ("sleep", 1) and gen.llm.calls[1][1] == ("weights",)
+    assert gen.llm.calls[3][1] == ("kv_cache",)
+    pushed = dict(gen.llm.calls[2][1])
+    assert set(pushed) == set(model.state_dict()) and set(pushed.values()) == {torch.bfloat16}
+
+
+def test_vllm_push_merges_lora(fake_vllm, tok, monkeypatch):
+    """A LoRA policy reaches vLLM as plain weights W + alpha/r B A, under the transformers model's names."""
+    monkeypatch.delenv("RANK", raising=False)
+    model = rollout.add_lora(sft.build_tiny_model(tok, d_model=16, n_layer=1, n_head=2), rank=2, alpha=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    merged = dict(rollout.hf_weights(model.state_dict(), scaling=rollout.lora_scaling(model)))
+    plain = copy.deepcopy(model).merge_and_unload().state_dict()  # peft's own merge
+    assert set(merged) == set(plain) and all(torch.allclose(merged[k], plain[k], atol=1e-6) for k in plain)
+    gen = rollout.VLLMGenerator("some/checkpoint", tok)
+    gen.load_weights(model)
+    assert {n for n, _ in gen.llm.calls[0][1]} == set(plain)
+
+
+def test_vllm_missing_names_the_install(monkeypatch, tok):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    with pytest.raises(SystemExit, match="pip install -r requirements-gpu.txt"):
+        rollout.VLLMGenerator("some/checkpoint", tok)
+
+
+# ----------------------------------------------------------------------------------------------------
+# log-probs in chunks, the process group, the memory plan
+
+
+def test_chunked_logprobs_equal_whole_logits(tok):
+    """logprobs_chunked (what SFT's loss, GRPO's forward and SFT's eval use) against the whole-logits computation:
+    log-probs, entropy, greedy hits and both gradients, for chunks of 1 row, 5 rows and more rows than exist.
+    Tolerance 1e-5 absolute: fp32 on a CPU, only the matmul's blocking differs."""
+    model = sft.build_tiny_model(tok, d_model=32, n_layer=2, n_head=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, len(tok), (3, 17), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 12:] = 0  # a padded row
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    lp, ent = rollout.logprobs_from_logits(logits, ids, 0.7, with_entropy=True)
+    greedy = logits[:, :-1].argmax(-1) == ids[:, 1:]
+
+    def grads(f):
+        model.zero_grad()
+        f().backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    g_lp = grads(lambda: rollout.logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, 0.7)[0]
+                 .sum())
+    g_ent = grads(lambda: rollout.logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, 0.7,
+                                                       True)[1].sum())
+    for chunk in (1, 5, 4096):
+        c_lp, c_ent, c_greedy = rollout.logprobs_chunked(model, ids, attn, 0.7, chunk, with_entropy=True)
+        assert c_lp.shape == c_ent.shape == c_greedy.shape == (3, 16)
+        assert torch.allclose(c_lp, lp, atol=1e-5) and torch.allclose(c_ent, ent, atol=1e-5)
+        assert torch.equal(c_greedy, greedy)
+        assert torch.allclose(grads(lambda: rollout.logprobs_chunked(model, ids, attn, 0.7, chunk)[0].sum()), g_lp,
+                              atol=1e-5)
+        assert torch.allclose(grads(lambda: rollout.logprobs_chunked(model, ids, attn, 0.7, chunk, True)[1].sum()),
+                              g_ent, atol=1e-5)
+    assert "forward" not in vars(model.lm_head)  # the output layer is itself again
+    assert torch.allclose(rollout.token_logprobs(model, ids, attn, chunk=5), rollout.token_logprobs(model, ids, attn),
+                          atol=1e-5)
+    model.lm_head.register_forward_hook(lambda m, i, o: o)
+    with pytest.raises(ValueError, match="forward hooks"):  # a hooked head would be silently bypassed
+        rollout.logprobs_chunked(model, ids, attn)
+
+
+def test_process_group_spec_cpu_and_cuda():
+    """One process group for both kinds of tensor on GPUs (NCCL for CUDA tensors, gloo for the CPU ones the code
+    all-reduces: token counts, metrics), each rank on its own GPU; gloo alone on CPUs."""
+    assert rollout.process_group_spec(cuda=True, local_rank=3) == ("cpu:gloo,cuda:nccl", "cuda:3")
+    assert rollout.process_group_spec(cuda=False, local_rank=3) == ("gloo", "cpu")
+
+
+def _pg_rank(rank, port, out):
+    import os
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    r, world, device = rollout.setup_distributed()
+    s = rollout.all_reduce_sum(torch.tensor([1.0 + r, 2.0]))
+    m = rollout.all_reduce_max(torch.tensor(5 * r))
+    if r == 0:
+        torch.save({"world": world, "device": device, "backend": torch.distributed.get_backend(), "sum": s,
+                    "max": m}, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)  # past here only interpreter teardown, where gloo's threads sometimes abort (seen: SIGABRT)
+
+
+@pytest.mark.slow
+def test_setup_distributed_on_gloo(tmp_path):
+    """The CPU half of the process group for real: two ranks, CPU tensors all-reduced in place."""
+    import random
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = 29500 + random.Random().randrange(2000)
+    procs = [ctx.Process(target=_pg_rank, args=(r, port, tmp_path / "o.pt"), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if any(p.exitcode != 0 for p in procs) and not (tmp_path / "o.pt").exists():
+        pytest.skip("gloo could not connect on this machine")
+    o = torch.load(tmp_path / "o.pt")
+    assert (o["world"], o["device"], o["backend"]) == (2, "cpu", "gloo")
+    assert o["sum"].tolist() == [3.0, 4.0] and int(o["max"]) == 5
+
+
+def test_qwen3_table_counts_what_transformers_builds():
+    """The memory plan's parameter counts against the models transformers builds from the same configs (on the
+    meta device: no memory)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    for name in ("0.6B", "8B"):
+        s = rollout.QWEN3[name]
+        cfg = Qwen3Config(hidden_size=s.hidden, num_hidden_layers=s.layers, intermediate_size=s.intermediate,
+                          num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=s.head_dim,
+                          vocab_size=s.vocab, tie_word_embeddings=s.tied)
+        with torch.device("meta"):
+            m = Qwen3ForCausalLM(cfg)
+        assert sum(p.numel() for p in m.parameters()) == s.n_params  # tied weights counted once
+        assert rollout.Shapes.of(cfg) == s
+        with torch.device("meta"):
+            lora = rollout.add_lora(m, rank=8, alpha=16)
+        assert sum(p.numel() for p in lora.parameters() if p.requires_grad) == s.lora_params(8)
+    assert round(rollout.QWEN3["8B"].n_params / 1e9, 2) == 8.19  # Qwen3-8B's published 8.2B
+    assert round(rollout.QWEN3["32B"].n_params / 1e9, 2) == 32.76
+
+
+def test_memory_plan_hand_checked():
+    s = rollout.QWEN3["8B"]
+    N = s.n_params
+    # full fine-tuning with fp32 AdamW: weights 4N + gradients 4N + two states 8N = 16N bytes
+    p = rollout.memory_plan(s, bf16=False)
+    assert p["weights"] + p["grads"] + p["optimizer"] == 16 * N and p["gathered"] == 0 and p["reference"] == 0
+    # FSDP over 8 ranks divides exactly those by 8; the reference (bf16) too
+    f = rollout.memory_plan(s, world=8, fsdp=True, bf16=True, beta=0.1)
+    assert f["weights"] + f["grads"] + f["optimizer"] == 16 * N / 8 and f["reference"] == 2 * N / 8
+    assert f["gathered"] == 2 * (2 * s.root_params() + 2 * s.layer_params())  # the bf16 root, params and grads
+    # CPU offload: none of it on the GPU, all of it in host memory
+    o = rollout.memory_plan(s, world=8, fsdp=True, cpu_offload=True, beta=0.1)
+    assert o["weights"] == o["grads"] == o["optimizer"] == o["reference"] == 0
+    assert o["host"] == 16 * N / 8 + 2 * N / 8
+    # LoRA: a bf16 base, fp32 adapters with their gradients and AdamW states; the reference is the base itself
+    T = s.lora_params(16)
+    assert T == 36 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288))
+    lo = rollout.memory_plan(s, lora_rank=16, beta=0.1)
+    assert lo["weights"] == 2 * N + 4 * T and lo["grads"] == 4 * T and lo["optimizer"] == 8 * T
+    assert lo["reference"] == 0 and T / N < 0.01
+    # activations: checkpointing keeps each layer's input (bf16) plus one layer's insides; a logits chunk
+    a = rollout.memory_plan(s, seq_len=1000, activation_checkpointing=True)
+    per_tok = 4 * 4096 + 4 * 32 * 128 + 4 * 8 * 128 + 4 * 12288
+    assert a["activations"] == 36 * 1000 * 4096 * 2 + 1000 * per_tok * 2
+    assert rollout.memory_plan(s, seq_len=1000)["activations"] == 36 * 1000 * per_tok * 2
+    assert a["logits"] == 1000 * 151936 * 18  # fewer tokens than a chunk
+    # vLLM: its share minus bf16 weights and its reserve, in tokens of KV cache; too small a share does not fit
+    v = rollout.memory_plan(s, world=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9)
+    assert v["kv_tokens"] == int((40e9 - 2 * N - rollout.VLLM_RESERVE) // (36 * 2 * 8 * 128 * 2))
+    assert v["rollout"] == v["weights"] + v["optimizer"] + 40e9 + rollout.OVERHEAD and v["fits"]
+    assert not rollout.memory_plan(s, world=8, fsdp=True, vllm_fraction=0.2, gpu_bytes=80e9)["fits"]
+
+
+def test_memory_plan_flags_and_table(capsys):
+    s = rollout.QWEN3["8B"]
+    flags, plan = rollout.fitting_flags(s, gpus=8, gpu_bytes=80e9, seq_len=16384, beta=0.001)
+    assert flags["fsdp"] and flags["activation_checkpointing"] and not flags["cpu_offload"] and plan["fits"]
+    assert plan["total"] <= 0.95 * 80e9 and 0.5 <= flags["vllm_gpu_memory"] <= 0.9
+    assert rollout.fitting_flags(s, gpus=1, gpu_bytes=80e9, offload=False, seq_len=16384)[0] is None
+    assert rollout.cheapest_setup(rollout.QWEN3["0.6B"], gpu_bytes=80e9, seq_len=16384)[0] == 1
+    chosen = rollout.print_memory_plan()
+    out = capsys.readouterr().out
+    assert all(f"| Qwen3-{n} |" in out for n in rollout.QWEN3) and "The paper's Qwen3-8B on 8 x 80 GB" in out
+    assert chosen["8B"][0] <= 8 and chosen["14B"][0] <= 8
+
+
+def test_too_large_model_stops_before_loading(tmp_path, monkeypatch):
+    """On CUDA the plan runs from config.json before any weight is read: Qwen3-32B on one 80 GB GPU stops with
+    the estimate and how many GPUs and which flags would fit."""
+    from transformers import Qwen3Config
+    s = rollout.QWEN3["32B"]
+    Qwen3Config(hidden_size=s.hidden, num_hidden_layers=s.layers, intermediate_size=s.intermediate,
+                num_attention_heads=s.heads, num_key_value_heads=s.kv_heads, head_dim=128,
+                tie_word_embeddings=False).save_pretrained(tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(rollout, "host_memory_per_rank", lambda: 1024 * rollout.GiB)
+    scale = rollout.Scale.resolve(fsdp="auto", cpu_offload=False, activation_checkpointing="auto", lora_rank=0,
+                                  lora_alpha=None, world=1, device="cuda:0")
+    with pytest.raises(SystemExit) as e:
+        scale.check_memory(str(tmp_path), beta=0.001, vllm_fraction=0.5, seq_len=16384, micro_batch=1)
+    msg = str(e.value)
+    assert "32.76B parameters" in msg and "does not fit 1 GPU" in msg and "optimizer" in msg and "--fsdp on" in msg
+    sharded = rollout.Scale.resolve(fsdp="on", cpu_offload=False, activation_checkpointing="on", lora_rank=0,
+                                    lora_alpha=None, world=16, device="cuda:0")
+    assert sharded.check_memory(str(tmp_path), seq_len=4096, micro_batch=1)["fits"]  # SFT of 32B over 16 GPUs

@@ -160,3 +160,40 @@ def backend_for(srv, **kw):
     kw = {"timeout": 5, "max_retries": 2, "backoff": 0.01, **kw}
     from rollout import OpenAIChatBackend
     return OpenAIChatBackend(srv.url, "fake-user-model", **kw)
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: records the engine's options, each generate call's SamplingParams and the calls
+    around a weight push; generate answers every prompt with its stop token (an immediate end of turn)."""
+
+    def __init__(self, **kw):
+        self.kw, self.calls, self.params = kw, [], []
+
+    def generate(self, prompts, params, use_tqdm=True):
+        from types import SimpleNamespace
+        self.params.append(params)
+        out = []
+        for p in params:
+            eot = p.stop_token_ids[0]
+            c = SimpleNamespace(token_ids=[eot], logprobs=[{eot: SimpleNamespace(logprob=-0.5)}])
+            out.append(SimpleNamespace(outputs=[c]))
+        return out
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags or ())))
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append((method, [(n, t.dtype) for n, t in kwargs["weights_iterator"]]))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def fake_vllm_module():
+    """A `vllm` module with FakeLLM, for sys.modules: SamplingParams keeps its keyword arguments as attributes."""
+    from types import SimpleNamespace
+    return SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: SimpleNamespace(**kw),
+                           TokensPrompt=lambda prompt_token_ids: prompt_token_ids)
