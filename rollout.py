@@ -447,11 +447,14 @@ def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, wit
     tokens directly, `chunk` token rows at a time, each chunk under activation checkpointing (its logits are
     recomputed in the backward instead of kept). At Qwen3's vocabulary (151,936) and 16k tokens the full fp32
     logits alone are 10 GB, their log-softmax and gradient as much again; a chunk is 1.2 GB. The swap happens
-    inside the model's own forward, so DDP's and FSDP's hooks see an ordinary forward.
+    inside the model's own forward, so DDP's and FSDP's hooks see an ordinary forward. An output layer with
+    hooks of its own (they are part of the model) is run whole instead.
     -> (log-probs (B, T-1), entropy (B, T-1) or None, greedy (B, T-1) bool: the next token is the argmax)."""
     head = unwrap(model).get_output_embeddings()  # the lm_head Linear (tied or not), also under peft
-    if head._forward_hooks or head._forward_pre_hooks:
-        raise ValueError("the output layer has forward hooks, which the chunked head would bypass: chunk=None")
+    if head._forward_hooks or head._forward_pre_hooks:  # swapping the head would bypass them: the whole logits
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        lp, ent = logprobs_from_logits(logits, ids, temperature, with_entropy)
+        return lp, ent, logits[:, :-1].argmax(-1) == ids[:, 1:]
     targets = ids[:, 1:]
 
     def to_logprobs(hidden):  # hidden (B, T, H) -> (B * (T-1), 3): log-prob, entropy, greedy hit

@@ -1255,9 +1255,13 @@ def test_chunked_logprobs_equal_whole_logits(tok):
     assert "forward" not in vars(model.lm_head)  # the output layer is itself again
     assert torch.allclose(rollout.token_logprobs(model, ids, attn, chunk=5), rollout.token_logprobs(model, ids, attn),
                           atol=1e-5)
-    model.lm_head.register_forward_hook(lambda m, i, o: o)
-    with pytest.raises(ValueError, match="forward hooks"):  # a hooked head would be silently bypassed
-        rollout.logprobs_chunked(model, ids, attn)
+    # a head with hooks of its own (here: +3 on token 0's logit) is run whole, so the hook is never bypassed
+    plain = rollout.logprobs_chunked(model, ids, attn, 0.7, 5)[0]
+    model.lm_head.register_forward_hook(lambda m, i, o: o + 3.0 * (torch.arange(o.shape[-1]) == 0))
+    hooked = rollout.logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, 0.7, True)
+    lp, ent, _ = rollout.logprobs_chunked(model, ids, attn, 0.7, 5, True)
+    assert torch.allclose(lp, hooked[0], atol=1e-6) and torch.allclose(ent, hooked[1], atol=1e-6)
+    assert not torch.allclose(lp, plain, atol=1e-3)  # the hook did act
 
 
 def test_process_group_spec_cpu_and_cuda():
