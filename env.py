@@ -666,6 +666,9 @@ _ADDRESS = {
     "country": "The country, such as 'USA'.",
     "zip": "The zip code, such as '12345'.",
 }
+_ITEMS = "The item ids to be {}, each such as '1008292230'. There could be duplicate items in the list."
+_NEW_ITEMS = ("The item ids to be {} for, each such as '1008292230'. There could be duplicate items in the list. "
+              "Each new item id should match the item id in the same position and be of the same product.")
 _CONFIRM = " The agent needs to explain the {} detail and ask for explicit user confirmation (yes/no) to proceed."
 
 _STR, _LIST = "string", "array"
@@ -680,14 +683,14 @@ _TOOL_DOCS = {
         "immediately if the payment was made using a gift card, otherwise the refund would take 5-7 business days "
         "to process. The function returns the order details after the cancellation.",
         {"order_id": (_STR, _ORDER_ID),
-         "reason": (_STR, "The reason for cancellation, which should be either 'no longer needed' or 'ordered by mistake'.")}),
+         "reason": (_STR, "The reason for cancellation, which should be either 'no longer needed' or "
+                          "'ordered by mistake'.")}),
     "exchange_delivered_order_items": (
         "Exchange items in a delivered order to new items of the same product type. For a delivered order, "
         "return or exchange can be only done once by the agent." + _CONFIRM.format("exchange"),
         {"order_id": (_STR, _ORDER_ID),
-         "item_ids": (_LIST, "The item ids to be exchanged, each such as '1008292230'. There could be duplicate items in the list."),
-         "new_item_ids": (_LIST, "The item ids to be exchanged for, each such as '1008292230'. There could be duplicate "
-                                 "items in the list. Each new item id should match the item id in the same position and be of the same product."),
+         "item_ids": (_LIST, _ITEMS.format("exchanged")),
+         "new_item_ids": (_LIST, _NEW_ITEMS.format("exchanged")),
          "payment_method_id": (_STR, _PAY_ID)}),
     "find_user_id_by_name_zip": (
         "Find user id by first name, last name, and zip code. If the user is not found, the function will return an "
@@ -713,9 +716,8 @@ _TOOL_DOCS = {
         "Modify items in a pending order to new items of the same product type. For a pending order, this function "
         "can only be called once." + _CONFIRM.format("exchange"),
         {"order_id": (_STR, _ORDER_ID),
-         "item_ids": (_LIST, "The item ids to be modified, each such as '1008292230'. There could be duplicate items in the list."),
-         "new_item_ids": (_LIST, "The item ids to be modified for, each such as '1008292230'. There could be duplicate "
-                                 "items in the list. Each new item id should match the item id in the same position and be of the same product."),
+         "item_ids": (_LIST, _ITEMS.format("modified")),
+         "new_item_ids": (_LIST, _NEW_ITEMS.format("modified")),
          "payment_method_id": (_STR, _PAY_ID)}),
     "modify_pending_order_payment": (
         "Modify the payment method of a pending order." + _CONFIRM.format("modification"),
@@ -727,7 +729,7 @@ _TOOL_DOCS = {
         "Return some items of a delivered order. The order status will be changed to 'return requested'."
         + _CONFIRM.format("return") + " The user will receive follow-up email for how and where to return the item.",
         {"order_id": (_STR, _ORDER_ID),
-         "item_ids": (_LIST, "The item ids to be returned, each such as '1008292230'. There could be duplicate items in the list."),
+         "item_ids": (_LIST, _ITEMS.format("returned")),
          "payment_method_id": (_STR, "The payment method id to pay or receive refund for the item price difference, "
                                      "such as 'gift_card_0000000' or 'credit_card_0000000'. These can be looked up "
                                      "from the user or order details.")}),

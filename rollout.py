@@ -228,10 +228,12 @@ def chatml_template(signatures=False):
     (it learns the arguments from the data, and a short context holds a whole conversation), or signatures
     name(arg, ...) with a line on the call format, for a pretrained chat model whose own template cannot show
     tools (full JSON schemas would cost ~2.5k tokens a conversation)."""
-    tools = ("{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}" if not signatures else
-             "{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:' -}}"
-             "{%- for t in tools -%}{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | list | join(', ')) + ')' -}}"
-             "{%- endfor -%}")
+    names = "{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}"
+    sigs = ("{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:' -}}"
+            "{%- for t in tools -%}"
+            "{{- ' ' + t.function.name + '(' + (t.function.parameters.properties | list | join(', ')) + ')' -}}"
+            "{%- endfor -%}")
+    tools = sigs if signatures else names
     return (
         "{%- if messages[0].role == 'system' or tools -%}"
         "{{- '<|im_start|>system\\n' -}}"
@@ -243,7 +245,8 @@ def chatml_template(signatures=False):
         "{%- if m.role == 'assistant' -%}"
         "{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
         "{%- for tc in (m.tool_calls or []) -%}"
-        "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson) + '</tool_call>' -}}"
+        "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson)"
+        " + '</tool_call>' -}}"
         "{%- endfor -%}"
         "{{- '<|im_end|>\\n' -}}"
         "{%- elif m.role != 'system' -%}"

@@ -899,8 +899,9 @@ class LLMToolSimulator:
                 continue
             memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
             env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
+            call = json.dumps({"name": name, "arguments": args})
             prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(
-                schema=json.dumps(self.schemas[name]), memory=memory, call=json.dumps({"name": name, "arguments": args}))}])
+                schema=json.dumps(self.schemas[name]), memory=memory, call=call)}])
             asked.append((k, name))
         if prompts:
             try:
