@@ -34,8 +34,8 @@ from math import comb
 import torch
 
 import env
-from rollout import (ChatAgent, agent_system_prompt, errored_reasons, errored_summary, load_agent, make_user_factory,
-                     require_vllm, run_episodes)
+from rollout import (ChatAgent, add_user_args, agent_system_prompt, errored_reasons, errored_summary, load_agent,
+                     make_user_factory, require_vllm, run_episodes)
 
 
 def pass_hat_k(outcomes, k):
@@ -174,15 +174,7 @@ def main(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
     g.add_argument("--seed", type=int, default=1234, help="trial t plays with seed + 1000 t")
-    g = p.add_argument_group("user (tau2)")
-    g.add_argument("--user", default=None, help="None: scripted; a model path, 'smollm2', or an OpenAI URL")
-    g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
-    g.add_argument("--user-guidelines", default=None,
-                   help="the LLM user's guidelines (default: tau2's beside --tasks, else env.py's fallback)")
-    g.add_argument("--llm-concurrency", type=int, default=64,
-                   help="requests in flight at each OpenAI-compatible endpoint (the user; an endpoint agent)")
-    g.add_argument("--llm-deadline", type=float, default=300.0,
-                   help="seconds one endpoint request may take, retries included (a user: 4x over its episode)")
+    add_user_args(p)
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="results.json, results.md, a transcript JSONL per model (default: "
                                                 "out/eval, out/eval_bfcl)")

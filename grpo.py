@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 import env
-from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_args, agent_system_prompt,
+from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_args, add_user_args, agent_system_prompt,
                      all_reduce_max, all_reduce_sum, autocast, claim_run_dir, clip_grad, errored_reasons, load_model,
                      load_optimizer_state, logprobs_chunked, make_user_factory, open_metrics, pad_batch, require_vllm,
                      resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap)
@@ -71,15 +71,7 @@ def main(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
     g.add_argument("--drop-zero-spread", action="store_true", help="replace groups whose rewards are all equal")
-    g = p.add_argument_group("user")
-    g.add_argument("--user", default=None, help="None: scripted; a model path, 'smollm2', or an OpenAI URL")
-    g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
-    g.add_argument("--user-guidelines", default=None,
-                   help="the LLM user's guidelines (default: tau2's beside --tasks, else env.py's fallback)")
-    g.add_argument("--llm-concurrency", type=int, default=64,
-                   help="requests in flight at each OpenAI-compatible endpoint (the user; an endpoint agent)")
-    g.add_argument("--llm-deadline", type=float, default=300.0,
-                   help="seconds one endpoint request may take, retries included (a user: 4x over its episode)")
+    add_user_args(p)
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=30, help="GRPO steps")
     g.add_argument("--lr", type=float, default=5e-5, help="tiny model (2e-4 broke it); the paper: 1e-6 on 8B")

@@ -1123,6 +1123,20 @@ class ChatAgent:
         return reply
 
 
+def add_user_args(p):
+    """The user simulator's flags (and every endpoint's limits): the same group in synth.py, grpo.py, evaluate.py."""
+    g = p.add_argument_group("user simulator")
+    g.add_argument("--user", default=None, help="None: the scripted user; a model path, 'smollm2', or an "
+                                                 "OpenAI-compatible URL (an LLM user)")
+    g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
+    g.add_argument("--user-guidelines", default=None, help="the LLM user's guidelines file (default: tau2's, found "
+                   "beside --tasks where there are any, else env.py's own short wording)")
+    g.add_argument("--llm-concurrency", type=int, default=64, help="requests in flight at each OpenAI-compatible "
+                   "endpoint (user, teacher, tool simulator, an endpoint agent)")
+    g.add_argument("--llm-deadline", type=float, default=300.0, help="seconds one endpoint request may take, "
+                   "retries included (a user: 4x that over its whole episode)")
+
+
 def make_user_factory(spec=None, model_name=None, guidelines=None, concurrency=64, deadline=300.0,
                       **llm_user_kw):
     """make_user(task, seed) for run_episodes: env's scripted user (spec None) or an LLM user on

@@ -64,7 +64,7 @@ def main(argv=None):
     g.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (tiny from scratch; ~1e-5 for an 8B)")
     g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip")
     g.add_argument("--seed", type=int, default=0, help="seeds the data order, the tiny model and its curriculum")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--out", default="out/sft", help="run folder: metrics.jsonl, step_N/ checkpoints, latest")
@@ -79,7 +79,7 @@ def main(argv=None):
             ("--grad-accum", a.grad_accum >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
             ("--eval-frac", 0 <= a.eval_frac < 1, "in [0, 1)"), ("--lr", a.lr > 0, "> 0"),
             ("--warmup", a.warmup >= 0, ">= 0"), ("--weight-decay", a.weight_decay >= 0, ">= 0"),
-            ("--clip", a.clip > 0, "> 0"), ("--eval-every", a.eval_every >= 1, ">= 1"),
+            ("--grad-clip", a.grad_clip > 0, "> 0"), ("--eval-every", a.eval_every >= 1, ">= 1"),
             ("--save-every", a.save_every >= 1, ">= 1"), ("--vocab-size", a.vocab_size >= 1, ">= 1"),
             ("--d-model", a.d_model >= 1, ">= 1"), ("--n-layer", a.n_layer >= 1, ">= 1"),
             ("--n-head", a.n_head >= 1 and a.d_model % a.n_head == 0, ">= 1 and a divisor of --d-model"),
@@ -93,7 +93,7 @@ def main(argv=None):
     tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup, a.copy_mix) \
         if a.model == "tiny" else None
     return train(data=a.data, model=a.model, tiny=tiny, out=a.out, steps=a.steps, batch_size=a.batch_size,
-                 grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, clip=a.clip,
+                 grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                  max_len=a.max_len, eval_every=a.eval_every, eval_frac=a.eval_frac, save_every=a.save_every,
                  resume=a.resume, thinking=a.thinking, seed=a.seed,
                  redraw=a.redraw == "on" or (a.redraw == "auto" and tiny is not None), fsdp=a.fsdp,
@@ -101,7 +101,7 @@ def main(argv=None):
                  lora_rank=a.lora_rank, lora_alpha=a.lora_alpha)
 
 
-def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, clip, max_len,
+def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, grad_clip, max_len,
           eval_every, eval_frac, save_every, resume, thinking, redraw, seed, fsdp, cpu_offload,
           activation_checkpointing, lora_rank, lora_alpha):
     """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
@@ -176,7 +176,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
                 loss = loss + copy_mix.loss(net, step, rank)
             loss.backward()
         loss_t = all_reduce_sum(torch.tensor(loss_sum))
-        gnorm = clip_grad(net, clip)
+        gnorm = clip_grad(net, grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         rec = {"step": step + 1, "loss": float(loss_t), "lr": opt.param_groups[0]["lr"],

@@ -37,7 +37,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import env
-from rollout import ChatAgent, chat_backend, errored_reasons, make_user_factory, run_episodes, score_episode
+from rollout import (ChatAgent, add_user_args, chat_backend, errored_reasons, make_user_factory, run_episodes,
+                     score_episode)
 
 
 def main(argv=None):
@@ -57,16 +58,7 @@ def main(argv=None):
                    help="tool results from env.py, from the MCP server, or simulated by an LLM")
     g.add_argument("--tool-llm", default=None, help="with --tools llm: a model path or an OpenAI-compatible URL")
     g.add_argument("--tool-model", default=None, help="model name at the --tool-llm endpoint")
-    g = p.add_argument_group("user")
-    g.add_argument("--user", default=None,
-                   help="None: the scripted user; a model path, 'smollm2', or an OpenAI-compatible URL")
-    g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
-    g.add_argument("--user-guidelines", default=None,
-                   help="the LLM user's guidelines file (default: env.py's short fallback wording)")
-    g.add_argument("--llm-concurrency", type=int, default=64,
-                   help="requests in flight at each OpenAI-compatible endpoint (user, teacher, tool simulator)")
-    g.add_argument("--llm-deadline", type=float, default=300.0,
-                   help="seconds one endpoint request may take, retries included (a user: 4x over its episode)")
+    add_user_args(p)
     g = p.add_argument_group("rollout")
     g.add_argument("--max-turns", type=int, default=30, help="agent turns per episode")
     g.add_argument("--chunk", type=int, default=64, help="episodes played together")

@@ -60,5 +60,40 @@ def world(tmp_path_factory):
     return SimpleNamespace(root=root, data=data, sft=out / "sft")
 
 
+@pytest.fixture(scope="session")
+def shop():
+    """The generated shop of seed 0 (what `python synth.py` builds)."""
+    import synth
+    return synth.generate_shop(0)
+
+
+@pytest.fixture(scope="session")
+def splits(shop):
+    import synth
+    return synth.generate_tasks(shop, 0)
+
+
+@pytest.fixture(scope="session")
+def sample(splits):
+    """util.PER_KIND tasks of every kind from both splits."""
+    import synth
+    out = []
+    for split in ("train", "test"):
+        kinds = util.by_kind(splits[split])
+        for k in synth.TASK_KINDS:
+            out += kinds[k][:util.PER_KIND]
+    return out
+
+
+@pytest.fixture(scope="session")
+def oracle_eps(sample, shop):
+    """The oracle agent plays `sample` against the scripted user (text-only episodes)."""
+    import env
+    before = env.db_hash(shop)
+    eps = util.play(sample, shop)
+    assert env.db_hash(shop) == before, "run_episodes changed the caller's shop"
+    return eps
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~10 s on 2 CPU cores (deselect with -m 'not slow')")

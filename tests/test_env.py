@@ -1,6 +1,5 @@
 """env.py: tau2's retail tools, db, tasks and reward; the scripted user; the LLM user."""
 
-import collections
 import copy
 import json
 import time
@@ -19,7 +18,7 @@ SEED = 0
 EOT = "<|im_end|>"
 
 from env import GREETING, LLMUser, clean_reply, respond_all, start_all, system_prompt
-from util import TASK, backend_for
+from util import PER_KIND, TASK, backend_for, by_kind, play, user_texts, writes
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -572,67 +571,6 @@ def test_reward_communicate(db, tasks, replays):
 
 # ----------------------------------------------------------------------------------------------------
 # the scripted user on the generated shop, played against synth.OracleAgent (text-only episodes)
-
-
-PER_KIND = 5  # tasks of each kind from each split in the oracle sweep
-
-
-@pytest.fixture(scope="module")
-def shop():
-    return synth.generate_shop(SEED)
-
-
-@pytest.fixture(scope="module")
-def splits(shop):
-    return synth.generate_tasks(shop, SEED)
-
-
-def by_kind(tasks):
-    out = collections.defaultdict(list)
-    for t in tasks:
-        out[t["kind"]].append(t)
-    return out
-
-
-@pytest.fixture(scope="module")
-def sample(splits):
-    """PER_KIND tasks of every kind from both splits."""
-    out = []
-    for split in ("train", "test"):
-        kinds = by_kind(splits[split])
-        for k in synth.TASK_KINDS:
-            out += kinds[k][:PER_KIND]
-    return out
-
-
-def scripted(t, s):
-    return env.ScriptedUser(t, s)
-
-
-def oracle(t, s):
-    return synth.OracleAgent(t, s)
-
-
-def play(tasks, db, make_agent=oracle, seed=SEED, **kw):
-    return rollout.run_episodes(None, None, tasks, db, make_user=scripted, make_agent=make_agent, seed=seed, **kw)
-
-
-@pytest.fixture(scope="module")
-def oracle_eps(sample, shop):
-    before = env.db_hash(shop)
-    eps = play(sample, shop)
-    assert env.db_hash(shop) == before, "run_episodes changed the caller's shop"
-    return eps
-
-
-def user_texts(ep):
-    return [m["content"] for m in ep.messages if m["role"] == "user"]
-
-
-def writes(ep):
-    """(name, arguments) of every write the agent called, in order."""
-    return [(c["function"]["name"], c["function"]["arguments"]) for m in ep.messages if m["role"] == "assistant"
-            for c in m.get("tool_calls", []) if c["function"]["name"] in env.WRITE_TOOLS]
 
 
 class Tamper:

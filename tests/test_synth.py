@@ -1,7 +1,6 @@
 """synth.py: the generated shop and tasks, the oracle agent, synthesis end to end (env tools, MCP, LLM-simulated
 tools, a teacher LLM), and the MCP server."""
 
-import collections
 import copy
 import json
 import os
@@ -17,14 +16,13 @@ import sft
 import synth
 import util
 from synth import MCPToolClient
-from util import read_jsonl, sub_env
+from util import PER_KIND, by_kind, read_jsonl, sub_env, user_texts, writes
 
 REPO = Path(__file__).resolve().parent.parent
 TAU2 = REPO.parent / "shared" / "tau2" / "retail"
 SHARED = REPO.parent / "shared"
 SEED = 0
 EOT = "<|im_end|>"
-PER_KIND = 5  # tasks of each kind from each split in the oracle sweep
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -32,61 +30,8 @@ PER_KIND = 5  # tasks of each kind from each split in the oracle sweep
 
 
 @pytest.fixture(scope="module")
-def db():
-    return synth.generate_shop(SEED)
-
-
-@pytest.fixture(scope="module")
-def splits(db):
-    return synth.generate_tasks(db, SEED)
-
-
-def by_kind(tasks):
-    out = collections.defaultdict(list)
-    for t in tasks:
-        out[t["kind"]].append(t)
-    return out
-
-
-@pytest.fixture(scope="module")
-def sample(splits):
-    """PER_KIND tasks of every kind from both splits."""
-    out = []
-    for split in ("train", "test"):
-        kinds = by_kind(splits[split])
-        for k in synth.TASK_KINDS:
-            out += kinds[k][:PER_KIND]
-    return out
-
-
-def scripted(t, s):
-    return env.ScriptedUser(t, s)
-
-
-def oracle(t, s):
-    return synth.OracleAgent(t, s)
-
-
-def play(tasks, db, make_agent=oracle, seed=SEED, **kw):
-    return rollout.run_episodes(None, None, tasks, db, make_user=scripted, make_agent=make_agent, seed=seed, **kw)
-
-
-@pytest.fixture(scope="module")
-def oracle_eps(sample, db):
-    before = env.db_hash(db)
-    eps = play(sample, db)
-    assert env.db_hash(db) == before, "run_episodes changed the caller's db"
-    return eps
-
-
-def user_texts(ep):
-    return [m["content"] for m in ep.messages if m["role"] == "user"]
-
-
-def writes(ep):
-    """(name, arguments) of every write the agent called, in order."""
-    return [(c["function"]["name"], c["function"]["arguments"]) for m in ep.messages if m["role"] == "assistant"
-            for c in m.get("tool_calls", []) if c["function"]["name"] in env.WRITE_TOOLS]
+def db(shop):
+    return shop  # tests/conftest.py's generated shop (seed 0)
 
 
 def test_shop_deterministic_and_sized(db):

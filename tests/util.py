@@ -197,3 +197,42 @@ def fake_vllm_module():
     from types import SimpleNamespace
     return SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: SimpleNamespace(**kw),
                            TokensPrompt=lambda prompt_token_ids: prompt_token_ids)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the generated shop played by the oracle against the scripted user (tests/conftest.py has the fixtures)
+
+PER_KIND = 5  # tasks of each kind from each split in the oracle sweep
+
+
+def by_kind(tasks):
+    out = {}
+    for t in tasks:
+        out.setdefault(t["kind"], []).append(t)
+    return out
+
+
+def scripted(t, s):
+    import env
+    return env.ScriptedUser(t, s)
+
+
+def oracle(t, s):
+    import synth
+    return synth.OracleAgent(t, s)
+
+
+def play(tasks, db, make_agent=oracle, seed=0, **kw):
+    import rollout
+    return rollout.run_episodes(None, None, tasks, db, make_user=scripted, make_agent=make_agent, seed=seed, **kw)
+
+
+def user_texts(ep):
+    return [m["content"] for m in ep.messages if m["role"] == "user"]
+
+
+def writes(ep):
+    """(name, arguments) of every write the agent called, in order."""
+    import env
+    return [(c["function"]["name"], c["function"]["arguments"]) for m in ep.messages if m["role"] == "assistant"
+            for c in m.get("tool_calls", []) if c["function"]["name"] in env.WRITE_TOOLS]
