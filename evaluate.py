@@ -220,8 +220,8 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
                                     thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
                                     vllm_gpu_memory=vllm_gpu_memory)
-        make_agent, agents = endpoint_agents(chat, lambda task: env.TOOL_SCHEMAS, max_new_tokens=max_new_tokens,
-                                             temperature=temperature)
+        make_agent, agents = endpoint_agents(chat, lambda task: env.TOOL_SCHEMAS, deadline=4 * llm_deadline,
+                                             max_new_tokens=max_new_tokens, temperature=temperature)
         eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
                              max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
                              system_prompt=system_prompt, make_agent=make_agent)
@@ -485,8 +485,8 @@ def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature,
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
                                     thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
                                     vllm_gpu_memory=vllm_gpu_memory)
-        make_agent, agents = endpoint_agents(chat, lambda task: task["world"].tools, max_new_tokens=max_new_tokens,
-                                             temperature=temperature)
+        make_agent, agents = endpoint_agents(chat, lambda task: task["world"].tools, deadline=4 * llm_deadline,
+                                             max_new_tokens=max_new_tokens, temperature=temperature)
         eps, worlds = bfcl_play(gen, tok, entries, run_name=run_name, make_agent=make_agent, fc=chat is not None,
                                 batch=batch, max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens,
                                 temperature=temperature, seed=seed)

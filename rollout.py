@@ -49,6 +49,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -765,6 +766,9 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         to_tools, to_user = [], []
         for i, (new_ids, lps) in zip(live, outs):
             ep = eps[i]
+            if agents and getattr(agents[i], "error", None):  # the agent's endpoint failed: the policy is not to blame
+                ep.errored, ep.error, ep.end_reason = True, str(agents[i].error), "agent_error"
+                continue
             ep.turns += 1
             if agents:
                 text = new_ids
@@ -809,17 +813,20 @@ def act_all(agents, histories):
     batched chat() call, so an endpoint gets every live episode's request at once; any other agent acts in turn."""
     out, groups = [None] * len(agents), {}
     for i, a in enumerate(agents):
-        if isinstance(a, ChatAgent) and not a.error:
-            groups.setdefault((id(a.backend), a.max_new_tokens, a.temperature), []).append(i)
-        else:
+        if not isinstance(a, ChatAgent):
             out[i] = a.act(histories[i])
+        elif a.out_of_time() or a.error:  # its endpoint failed for good: run_episodes ends the episode
+            out[i] = ""
+        else:
+            groups.setdefault((id(a.backend), a.max_new_tokens, a.temperature), []).append(i)
     for idx in groups.values():
-        first = agents[idx[0]]
+        first, t0 = agents[idx[0]], time.monotonic()
         seeds = [agents[i].turn_seed(histories[i]) for i in idx]
         tools = [agents[i].current_tools() for i in idx]
         replies = first.backend.chat([histories[i] for i in idx], first.max_new_tokens, first.temperature, seeds,
                                      tools)
         for i, reply in zip(idx, replies):
+            agents[i].waited += time.monotonic() - t0
             out[i] = agents[i].take(reply)
     return out
 
@@ -1100,12 +1107,18 @@ class ChatAgent:
     tool schemas (`tools`: a list, or a function returning the schemas of the moment), and its tool calls come
     back as Hermes <tool_call> text. A backend that fails for good (after its own retries) ends this agent's
     turns with empty replies and is kept in `error`, so one bad conversation cannot stop a whole evaluation.
-    act_all batches the turns of every ChatAgent on one backend."""
+    act_all batches the turns of every ChatAgent on one backend. `deadline`: seconds it may spend waiting on its
+    backend over the whole episode (None: no limit)."""
 
-    def __init__(self, backend, tools, max_new_tokens=1024, temperature=0.0, seed=0):
+    def __init__(self, backend, tools, max_new_tokens=1024, temperature=0.0, seed=0, deadline=None):
         self.backend, self.tools = backend, tools
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.error = None
+        self.deadline, self.waited, self.error = deadline, 0.0, None
+
+    def out_of_time(self):
+        if self.deadline is not None and self.waited >= self.deadline and not self.error:
+            self.error = f"agent endpoint out of time: waited {self.waited:.0f} s, deadline {self.deadline:g} s"
+        return self.error is not None
 
     def act(self, messages):
         return act_all([self], [messages])[0]

@@ -105,7 +105,8 @@ def main(argv=None):
         make_agent = lambda task, seed: OracleAgent(task, seed)
     else:  # a teacher LLM: every live episode's turn goes to it in one batch (rollout.act_all)
         teacher = chat_backend(args.agent, args.agent_model, **llm)
-        make_agent = lambda task, seed: ChatAgent(teacher, tools, max_new_tokens=512, seed=seed)
+        make_agent = lambda task, seed: ChatAgent(teacher, tools, max_new_tokens=512, seed=seed,
+                                                  deadline=4 * args.llm_deadline)
     call_tool = (LLMToolSimulator(chat_backend(args.tool_llm, args.tool_model, **llm)) if args.tools == "llm"
                  else env.call_tool)
     make_user = make_user_factory(args.user, args.user_model, args.user_guidelines, **llm)

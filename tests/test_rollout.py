@@ -1393,3 +1393,31 @@ def test_too_large_model_stops_before_loading(tmp_path, monkeypatch):
     sharded = rollout.Scale.resolve(fsdp="on", cpu_offload=False, activation_checkpointing="on", lora_rank=0,
                                     lora_alpha=None, world=16, device="cuda:0")
     assert sharded.check_memory(str(tmp_path), seq_len=4096, micro_batch=1)["fits"]  # SFT of 32B over 16 GPUs
+
+
+# ----------------------------------------------------------------------------------------------------
+# an LLM agent behind a chat backend (a teacher in synth.py, an endpoint scored by evaluate.py)
+
+
+def test_chat_agent_failure_and_deadline_error_the_episode(tasks, db):
+    """An agent whose endpoint fails for good, or keeps it waiting past its episode deadline, errors its episode
+    at once ("agent_error", the reason kept): never scored, never played on with empty replies."""
+    class Backend:
+        def __init__(self, reply, delay=0.0):
+            self.reply, self.delay, self.calls = reply, delay, 0
+
+        def chat(self, batch, max_new_tokens, temperature, seed, tools=None):
+            self.calls += 1
+            time.sleep(self.delay)
+            return [self.reply] * len(batch)
+    task = cancel_task(tasks)
+    down = Backend(env.UserSimError("HTTP 503 from http://teacher/v1: overloaded"))
+    ep, = rollout.run_episodes(None, None, [task], db, scripted, max_turns=5,
+                               make_agent=lambda t, s: rollout.ChatAgent(down, env.TOOL_SCHEMAS))
+    assert ep.errored and ep.end_reason == "agent_error" and "HTTP 503" in ep.error and ep.reward_info == {}
+    assert down.calls == 1 and ep.turns == 0
+    slow = Backend("Could you give me your email?", delay=0.05)
+    ep, = rollout.run_episodes(None, None, [task], db, scripted, max_turns=20,
+                               make_agent=lambda t, s: rollout.ChatAgent(slow, env.TOOL_SCHEMAS, deadline=0.12))
+    assert ep.errored and ep.end_reason == "agent_error" and "out of time" in ep.error
+    assert slow.calls == 3 and ep.turns == 3  # 0.05 s a turn: the third crossed 0.12 s, no fourth was asked
