@@ -340,11 +340,15 @@ class HFGenerator:
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
         """-> list of (sampled ids, log-probs under the tempered distribution), one per prompt.
-        A row stops after its end-of-turn token, which is kept."""
-        model, B = self.model, len(prompts)
+        A row stops after its end-of-turn token, which is kept.
+
+        Nothing per row and no (B, vocab) tensor goes to the host while sampling, so a GPU is never stalled by
+        the bookkeeping: ids and log-probs are written into (B, max_new_tokens) buffers on the model's device and
+        copied out once at the end. The one sync per token is the single bool "are all rows done?"."""
+        model, B, dev = self.model, len(prompts), self.device
         was_training = model.training
         model.eval()
-        gen = torch.Generator(device="cpu")
+        gen = torch.Generator(device=dev)  # on the device: sampling there needs no copy of the probabilities
         gen.manual_seed(seed if seed is not None else random.randrange(2**31))
         cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys, max_new_tokens)
         kw = _cache_kw(model)
@@ -352,25 +356,27 @@ class HFGenerator:
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache})
         logits = out.logits[:, -1, :].float()  # (B, V)
         next_pos = pos[:, -1:] + 1  # (B, 1)
-        new_ids = [[] for _ in range(B)]
-        new_lps = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool)
-        for _ in range(max_new_tokens):
+        toks = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        lps = torch.zeros((B, max_new_tokens), device=dev)
+        kept = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each row keeps: up to its end-of-turn
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for t in range(max_new_tokens):
             tok_, lp = sample_token(logits, temperature, top_p, gen)  # (B,), (B,)
-            for b in range(B):
-                if not done[b]:
-                    new_ids[b].append(int(tok_[b]))
-                    new_lps[b].append(float(lp[b]))
-            done |= (tok_ == self.eos_id).cpu()
-            if done.all():
+            toks[:, t], lps[:, t] = tok_, lp
+            kept += ~done
+            done |= tok_ == self.eos_id
+            if t + 1 == max_new_tokens or done.all():  # the sync: one bool per token
                 break
-            tok_ = torch.where(done.to(tok_.device), torch.full_like(tok_, self.pad_id), tok_)
+            tok_ = tok_.masked_fill(done, self.pad_id)
             attn[:, slot] = 1
             slot += 1
             out = model(input_ids=tok_[:, None], attention_mask=attn, position_ids=next_pos,
                         use_cache=True, **{kw: cache})
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
+        kept, toks, lps = kept.tolist(), toks.tolist(), lps.tolist()  # the one copy to the host
+        new_ids = [row[:k] for row, k in zip(toks, kept)]
+        new_lps = [row[:k] for row, k in zip(lps, kept)]
         if cache_keys is not None:
             self._keep(cache, attn[:, :slot], prompts, cache_keys, plen, new, new_ids)
         model.train(was_training)
@@ -390,7 +396,8 @@ class HFGenerator:
 def sample_token(logits, temperature, top_p, gen):
     """logits (B, V) -> sampled ids (B,) and their log-probs under softmax(logits / T).
     The recorded log-prob is the one the GRPO ratio uses (same temperature, no top-p truncation),
-    so keep top_p=1.0 for RL. temperature 0 means greedy (log-prob then at T=1)."""
+    so keep top_p=1.0 for RL. temperature 0 means greedy (log-prob then at T=1). `gen`, a torch.Generator on
+    logits' device, draws the sample there: nothing goes to the host."""
     T = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits / T, dim=-1)
     if temperature <= 0:
@@ -401,7 +408,7 @@ def sample_token(logits, temperature, top_p, gen):
             sp, si = probs.sort(-1, descending=True)
             keep = sp.cumsum(-1) - sp < top_p  # smallest prefix with mass >= top_p
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # gen lives on logits' device
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
