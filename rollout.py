@@ -344,7 +344,11 @@ class HFGenerator:
 
         Nothing per row and no (B, vocab) tensor goes to the host while sampling, so a GPU is never stalled by
         the bookkeeping: ids and log-probs are written into (B, max_new_tokens) buffers on the model's device and
-        copied out once at the end. The one sync per token is the single bool "are all rows done?"."""
+        copied out once at the end. The one sync per token is a single number, how many rows are done.
+
+        Finished rows leave the batch once they are half of it (their caches are set aside for _keep): turn
+        lengths vary a lot (a 10-token reply next to a 64-token one), and computing finished rows until the
+        longest is done wasted more than half the decode steps of a 32-episode rollout."""
         model, B, dev = self.model, len(prompts), self.device
         was_training = model.training
         model.eval()
@@ -358,15 +362,26 @@ class HFGenerator:
         next_pos = pos[:, -1:] + 1  # (B, 1)
         toks = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
         lps = torch.zeros((B, max_new_tokens), device=dev)
-        kept = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each row keeps: up to its end-of-turn
+        kept = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each prompt keeps: up to its end-of-turn
+        rows = torch.arange(B, device=dev)  # the prompt each batch row samples for
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        left = []  # rows that left the batch early: (prompt indices, [(keys, values) per layer], attention mask)
         for t in range(max_new_tokens):
-            tok_, lp = sample_token(logits, temperature, top_p, gen)  # (B,), (B,)
-            toks[:, t], lps[:, t] = tok_, lp
-            kept += ~done
+            tok_, lp = sample_token(logits, temperature, top_p, gen)  # (b,), (b,) for the b rows still in
+            toks[rows, t], lps[rows, t] = tok_, lp
+            kept[rows] += ~done
             done |= tok_ == self.eos_id
-            if t + 1 == max_new_tokens or done.all():  # the sync: one bool per token
+            n_done = int(done.sum())  # the sync: one number per token
+            if t + 1 == max_new_tokens or n_done == len(rows):
                 break
+            if 2 * n_done >= len(rows):
+                stay, go = (~done).nonzero().squeeze(-1), done.nonzero().squeeze(-1)
+                if cache_keys is not None:
+                    left.append((rows[go].tolist(), [(la.keys[go], la.values[go]) for la in cache.layers],
+                                 attn[go, :slot]))
+                for la in cache.layers:  # StaticLayer has no batch_select_indices; its update writes in place
+                    la.keys, la.values = la.keys[stay], la.values[stay]
+                rows, done, tok_, attn, next_pos = rows[stay], done[stay], tok_[stay], attn[stay], next_pos[stay]
             tok_ = tok_.masked_fill(done, self.pad_id)
             attn[:, slot] = 1
             slot += 1
@@ -378,19 +393,22 @@ class HFGenerator:
         new_ids = [row[:k] for row, k in zip(toks, kept)]
         new_lps = [row[:k] for row, k in zip(lps, kept)]
         if cache_keys is not None:
-            self._keep(cache, attn[:, :slot], prompts, cache_keys, plen, new, new_ids)
+            last = (rows.tolist(), [(la.keys, la.values) for la in cache.layers], attn[:, :slot])
+            self._keep(left + [last], prompts, cache_keys, plen, new, new_ids)
         model.train(was_training)
         return list(zip(new_ids, new_lps))
 
-    def _keep(self, cache, attn, prompts, cache_keys, plen, new, new_ids):
-        """Store each row's cache for its next turn. It covers the prompt and every sampled token but the
-        last, which was never fed back (the next prompt starts with it)."""
+    def _keep(self, parts, prompts, cache_keys, plen, new, new_ids):
+        """Store each prompt's cache for its next turn. It covers the prompt and every sampled token but the
+        last, which was never fed back (the next prompt starts with it). `parts` hold the batch's rows, those
+        at the end and those that left earlier: (prompt indices, [(keys, values) per layer], attention mask)."""
         self.kv = {}  # episodes not in this call have finished: drop theirs
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        for b, key in enumerate(cache_keys):
-            cols = attn[b].nonzero().squeeze(-1)[:plen[b] + len(new[b]) + len(new_ids[b]) - 1]
-            covered = prompts[b] + new_ids[b][:-1]
-            self.kv[key] = (covered, [(k[b][:, cols].clone(), v[b][:, cols].clone()) for k, v in layers])
+        for rows, layers, attn in parts:
+            for i, b in enumerate(rows):
+                cols = attn[i].nonzero().squeeze(-1)[:plen[b] + len(new[b]) + len(new_ids[b]) - 1]
+                covered = prompts[b] + new_ids[b][:-1]
+                self.kv[cache_keys[b]] = (covered, [(k[i][:, cols].clone(), v[i][:, cols].clone())
+                                                    for k, v in layers])
 
 
 def sample_token(logits, temperature, top_p, gen):
