@@ -508,6 +508,12 @@ def _cache_kw(model):
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def _last_logits_kw(model):
+    # only the last position's logits are sampled from: the LM head over a whole prefill (B x N x vocab) was ~6% of
+    # a 32-episode rollout of the tiny model (transformers' own generate() asks for the last position only too)
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 class HFGenerator:
     """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU.
 
@@ -563,57 +569,83 @@ class HFGenerator:
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
         """-> list of (sampled ids, log-probs under the tempered distribution), one per prompt.
-        A row stops after its end-of-turn token, which is kept."""
-        model, B = self.model, len(prompts)
+        A row stops after its end-of-turn token, which is kept.
+
+        Nothing per row and no (B, vocab) tensor goes to the host while sampling, so a GPU is never stalled by
+        the bookkeeping: ids and log-probs are written into (B, max_new_tokens) buffers on the model's device and
+        copied out once at the end. The one sync per token is a single number, how many rows are done.
+
+        Finished rows leave the batch once they are half of it (their caches are set aside for _keep): turn
+        lengths vary a lot (a 10-token reply next to a 64-token one), and computing finished rows until the
+        longest is done wasted more than half the decode steps of a 32-episode rollout."""
+        model, B, dev = self.model, len(prompts), self.device
         was_training = model.training
         model.eval()
-        gen = torch.Generator(device="cpu")
+        gen = torch.Generator(device=dev)  # on the device: sampling there needs no copy of the probabilities
         gen.manual_seed(seed if seed is not None else random.randrange(2**31))
         cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys, max_new_tokens)
         kw = _cache_kw(model)
         slot = attn.shape[1] - max_new_tokens  # the next free cache slot: P + N
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache})
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache},
+                    **_last_logits_kw(model))
         logits = out.logits[:, -1, :].float()  # (B, V)
         next_pos = pos[:, -1:] + 1  # (B, 1)
-        new_ids = [[] for _ in range(B)]
-        new_lps = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool)
-        for _ in range(max_new_tokens):
-            tok_, lp = sample_token(logits, temperature, top_p, gen)  # (B,), (B,)
-            for b in range(B):
-                if not done[b]:
-                    new_ids[b].append(int(tok_[b]))
-                    new_lps[b].append(float(lp[b]))
-            done |= (tok_ == self.eos_id).cpu()
-            if done.all():
+        toks = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
+        lps = torch.zeros((B, max_new_tokens), device=dev)
+        kept = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each prompt keeps: up to its end-of-turn
+        rows = torch.arange(B, device=dev)  # the prompt each batch row samples for
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        left = []  # rows that left the batch early: (prompt indices, [(keys, values) per layer], attention mask)
+        for t in range(max_new_tokens):
+            tok_, lp = sample_token(logits, temperature, top_p, gen)  # (b,), (b,) for the b rows still in
+            toks[rows, t], lps[rows, t] = tok_, lp
+            kept[rows] += ~done
+            done |= tok_ == self.eos_id
+            n_done = int(done.sum())  # the sync: one number per token
+            if t + 1 == max_new_tokens or n_done == len(rows):
                 break
-            tok_ = torch.where(done.to(tok_.device), torch.full_like(tok_, self.pad_id), tok_)
+            if 2 * n_done >= len(rows):
+                stay, go = (~done).nonzero().squeeze(-1), done.nonzero().squeeze(-1)
+                if cache_keys is not None:
+                    left.append((rows[go].tolist(), [(la.keys[go], la.values[go]) for la in cache.layers],
+                                 attn[go, :slot]))
+                for la in cache.layers:  # StaticLayer has no batch_select_indices; its update writes in place
+                    la.keys, la.values = la.keys[stay], la.values[stay]
+                rows, done, tok_, attn, next_pos = rows[stay], done[stay], tok_[stay], attn[stay], next_pos[stay]
+            tok_ = tok_.masked_fill(done, self.pad_id)
             attn[:, slot] = 1
             slot += 1
             out = model(input_ids=tok_[:, None], attention_mask=attn, position_ids=next_pos,
                         use_cache=True, **{kw: cache})
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
+        kept, toks, lps = kept.tolist(), toks.tolist(), lps.tolist()  # the one copy to the host
+        new_ids = [row[:k] for row, k in zip(toks, kept)]
+        new_lps = [row[:k] for row, k in zip(lps, kept)]
         if cache_keys is not None:
-            self._keep(cache, attn[:, :slot], prompts, cache_keys, plen, new, new_ids)
+            last = (rows.tolist(), [(la.keys, la.values) for la in cache.layers], attn[:, :slot])
+            self._keep(left + [last], prompts, cache_keys, plen, new, new_ids)
         model.train(was_training)
         return list(zip(new_ids, new_lps))
 
-    def _keep(self, cache, attn, prompts, cache_keys, plen, new, new_ids):
-        """Store each row's cache for its next turn. It covers the prompt and every sampled token but the
-        last, which was never fed back (the next prompt starts with it)."""
+    def _keep(self, parts, prompts, cache_keys, plen, new, new_ids):
+        """Store each prompt's cache for its next turn. It covers the prompt and every sampled token but the
+        last, which was never fed back (the next prompt starts with it). `parts` hold the batch's rows, those
+        at the end and those that left earlier: (prompt indices, [(keys, values) per layer], attention mask)."""
         self.kv = {}  # episodes not in this call have finished: drop theirs
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        for b, key in enumerate(cache_keys):
-            cols = attn[b].nonzero().squeeze(-1)[:plen[b] + len(new[b]) + len(new_ids[b]) - 1]
-            covered = prompts[b] + new_ids[b][:-1]
-            self.kv[key] = (covered, [(k[b][:, cols].clone(), v[b][:, cols].clone()) for k, v in layers])
+        for rows, layers, attn in parts:
+            for i, b in enumerate(rows):
+                cols = attn[i].nonzero().squeeze(-1)[:plen[b] + len(new[b]) + len(new_ids[b]) - 1]
+                covered = prompts[b] + new_ids[b][:-1]
+                self.kv[cache_keys[b]] = (covered, [(k[i][:, cols].clone(), v[i][:, cols].clone())
+                                                    for k, v in layers])
 
 
 def sample_token(logits, temperature, top_p, gen):
     """logits (B, V) -> sampled ids (B,) and their log-probs under softmax(logits / T).
     The recorded log-prob is the one the GRPO ratio uses (same temperature, no top-p truncation),
-    so keep top_p=1.0 for RL. temperature 0 means greedy (log-prob then at T=1)."""
+    so keep top_p=1.0 for RL. temperature 0 means greedy (log-prob then at T=1). `gen`, a torch.Generator on
+    logits' device, draws the sample there: nothing goes to the host."""
     T = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits / T, dim=-1)
     if temperature <= 0:
@@ -624,7 +656,7 @@ def sample_token(logits, temperature, top_p, gen):
             sp, si = probs.sort(-1, descending=True)
             keep = sp.cumsum(-1) - sp < top_p  # smallest prefix with mass >= top_p
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # gen lives on logits' device
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
