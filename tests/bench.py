@@ -132,10 +132,9 @@ def build_world(cache, sft_steps, seed=0):
                 if e.reward == 1.0:
                     f.write(json.dumps({"messages": e.messages, "tools": env.TOOL_SCHEMAS}) + "\n")
         print(f"training the tiny model for {sft_steps} SFT steps -> {out} (once)", file=sys.stderr)
-        sft.train(data=path, model="tiny", tiny=sft.TinyConfig(copy_warmup=0, copy_mix=0), out=out,
-                  steps=sft_steps, batch_size=8, grad_accum=1, lr=5e-3, warmup=10, weight_decay=0.0, clip=1.0,
-                  max_len=2048, eval_every=sft_steps, eval_frac=0.05, save_every=sft_steps, resume=False,
-                  redraw=True, seed=seed)
+        sft.main(["--data", path, "--out", out, "--steps", str(sft_steps), "--copy-warmup", "0", "--copy-mix", "0",
+                  "--warmup", "10", "--eval-every", str(sft_steps), "--save-every", str(sft_steps), "--seed", str(seed),
+                  "--overwrite"])  # its command line: the defaults of every other flag
     model, tok = rollout.load_model(out)
     return db, train, model.eval(), tok, rollout.resolve_checkpoint(out)
 
