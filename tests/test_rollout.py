@@ -856,7 +856,7 @@ def test_llm_user_at_scale_bounded_concurrency_retries_alone():
         text = body["messages"][0]["content"]
         if ("Task number 7." in text and n == 1) or "Task number 11." in text:
             return 500
-    srv = LoadServer(0.05, fail)
+    srv = LoadServer(0.2, fail)  # long enough that all 16 are at the server together, even on a loaded machine
     try:
         be = OpenAIChatBackend(srv.url, "m", timeout=10.0, max_retries=2, backoff=0.01, concurrency=16)
         eps = play_users(be, 256)
