@@ -95,5 +95,25 @@ def oracle_eps(sample, shop):
     return eps
 
 
+@pytest.fixture(scope="session")
+def policy_ckpt(tmp_path_factory):
+    """A tiny random model whose tokenizer has seen the policy prompt (so it is a few thousand tokens, not bytes)."""
+    import rollout
+    import sft
+    tau2 = util.TAU2
+    system = rollout.agent_system_prompt(None, str(tau2 / "tasks.json")) if (tau2 / "policy.md").is_file() else ""
+    convs = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"hi {i}"},
+                           {"role": "assistant", "content": f"hello {i}"}]} for i in range(4)]
+    tok, model = sft.make_tiny(convs, 400, 32, 2, 2, seed=0)
+    return rollout.save_checkpoint(str(tmp_path_factory.mktemp("policy_tiny")), 0, model, tok)
+
+
+@pytest.fixture
+def user_server():
+    srv = util.FakeUser()
+    yield srv
+    srv.close()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~10 s on 2 CPU cores (deselect with -m 'not slow')")

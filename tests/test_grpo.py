@@ -596,33 +596,6 @@ needs_tau2 = pytest.mark.skipif(not (TAU2 / "tasks.json").is_file() or not (TAU2
                                 reason=f"tau2 retail data absent ({TAU2})")
 
 
-class FakeUser(util.FakeOpenAIServer):
-    """An OpenAI-compatible user model: asks for help once, then stops."""
-
-    def answer(self, path, body):
-        said = sum(m["role"] == "assistant" for m in body["messages"])  # its own earlier lines
-        text = "Hi, I want to return an order." if said == 0 else "Thanks. ###STOP###"
-        return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
-
-
-@pytest.fixture(scope="module")
-def policy_ckpt(tmp_path_factory):
-    """A tiny random model whose tokenizer has seen the policy prompt (so it is a few thousand tokens, not bytes)."""
-    system = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json")) if (TAU2 / "policy.md").is_file() else ""
-    convs = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"hi {i}"},
-                           {"role": "assistant", "content": f"hello {i}"}]} for i in range(4)]
-    tok, model = sft.make_tiny(convs, 400, 32, 2, 2, seed=0)
-    return rollout.save_checkpoint(str(tmp_path_factory.mktemp("policy_tiny")), 0, model, tok)
-
-
-@pytest.fixture
-def user_server():
-    srv = FakeUser()
-    yield srv
-    srv.close()
-
-
 @needs_tau2
 def test_grpo_tau2_gives_the_agent_the_policy(policy_ckpt, user_server, tmp_path, monkeypatch):
     played = []

@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+TAU2 = REPO.parent / "shared" / "tau2" / "retail"  # tau2-bench's retail data, where ../shared has it
 
 
 def sub_env():
@@ -239,3 +240,13 @@ def writes(ep):
     import env
     return [(c["function"]["name"], c["function"]["arguments"]) for m in ep.messages if m["role"] == "assistant"
             for c in m.get("tool_calls", []) if c["function"]["name"] in env.WRITE_TOOLS]
+
+
+class FakeUser(FakeOpenAIServer):
+    """An OpenAI-compatible user model: asks for help once, then stops."""
+
+    def answer(self, path, body):
+        said = sum(m["role"] == "assistant" for m in body["messages"])  # its own earlier lines
+        text = "Hi, I want to return an order." if said == 0 else "Thanks. ###STOP###"
+        return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
