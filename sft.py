@@ -49,7 +49,7 @@ def main(argv=None):
                    help="re-draw ids and names in every step's conversations (auto: on for --model tiny)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="tiny", help="'tiny' (from scratch, below) or a path / hub id of a chat model")
-    g.add_argument("--thinking", default=None, choices=["on", "off"], 
+    g.add_argument("--thinking", default=None, choices=["on", "off"],
                    help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
     g.add_argument("--vocab-size", type=int, default=2048, help="tiny: BPE tokens, plus 1100 digit-chunk tokens")
     g.add_argument("--d-model", type=int, default=128, help="tiny: hidden size")
