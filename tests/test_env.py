@@ -867,7 +867,9 @@ def test_user_deadline_errors_the_episode_with_its_reason():
     ep = eps[0]
     assert ep.errored and ep.end_reason == "user_error" and "out of time" in ep.error and ep.reward == 0.0
     assert ep.reward_info == {} and "out of time" in ep.to_json()["error"]
-    assert backend.calls == 3  # 0.05 s each: the third pushed it past 0.12 s, the fourth was never sent
+    # 0.05 s or more each: the second or third pushed it past 0.12 s (a loaded machine sleeps longer), and no
+    # request was sent after that
+    assert backend.calls in (2, 3)
 
 
 class PlainAgent:

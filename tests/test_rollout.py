@@ -1420,4 +1420,5 @@ def test_chat_agent_failure_and_deadline_error_the_episode(tasks, db):
     ep, = rollout.run_episodes(None, None, [task], db, scripted, max_turns=20,
                                make_agent=lambda t, s: rollout.ChatAgent(slow, env.TOOL_SCHEMAS, deadline=0.12))
     assert ep.errored and ep.end_reason == "agent_error" and "out of time" in ep.error
-    assert slow.calls == 3 and ep.turns == 3  # 0.05 s a turn: the third crossed 0.12 s, no fourth was asked
+    # 0.05 s or more a turn: the second or third crossed 0.12 s (a loaded machine sleeps longer), none after it
+    assert slow.calls in (2, 3) and ep.turns == slow.calls
