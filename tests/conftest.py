@@ -96,6 +96,26 @@ def oracle_eps(sample, shop):
 
 
 @pytest.fixture(scope="session")
+def train_tasks(shop):
+    import synth
+    return synth.generate_tasks(shop, 0, n_train=200, n_test=10)["train"]
+
+
+@pytest.fixture(scope="session")
+def conversations(shop, train_tasks):
+    """The oracle's conversations on those tasks, as synth.py writes them (reward 1 only)."""
+    import env
+    import rollout
+    import synth
+    eps = rollout.run_episodes(None, None, train_tasks, shop, make_user=rollout.make_user_factory(),
+                               make_agent=lambda t, s: synth.OracleAgent(t, s))
+    kept = [{"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": env.TOOL_SCHEMAS,
+             "messages": e.messages} for e in eps if e.reward == 1.0 and not e.errored]
+    assert len(kept) >= 150, "the oracle should solve nearly every generated task"
+    return kept
+
+
+@pytest.fixture(scope="session")
 def policy_ckpt(tmp_path_factory):
     """A tiny random model whose tokenizer has seen the policy prompt (so it is a few thousand tokens, not bytes)."""
     import rollout

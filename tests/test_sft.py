@@ -33,23 +33,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one tor
 
 
 @pytest.fixture(scope="module")
-def db():
-    return synth.generate_shop(SEED)
-
-
-@pytest.fixture(scope="module")
-def train_tasks(db):
-    return synth.generate_tasks(db, SEED, n_train=200, n_test=10)["train"]
-
-
-@pytest.fixture(scope="module")
-def conversations(db, train_tasks):
-    eps = rollout.run_episodes(None, None, train_tasks, db, make_user=rollout.make_user_factory(),
-                               make_agent=lambda t, s: synth.OracleAgent(t, s))
-    kept = [{"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": env.TOOL_SCHEMAS,
-             "messages": e.messages} for e in eps if e.reward == 1.0 and not e.errored]
-    assert len(kept) >= 150, "the oracle should solve nearly every generated task"
-    return kept
+def db(shop):
+    return shop  # tests/conftest.py's generated shop (seed 0)
 
 
 def sft_args(data, out, **over):
