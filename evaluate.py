@@ -34,8 +34,8 @@ from math import comb
 import torch
 
 import env
-from rollout import (ChatAgent, add_user_args, agent_system_prompt, errored_reasons, errored_summary, load_agent,
-                     make_user_factory, require_vllm, run_episodes)
+from rollout import (TINY_BASE, ChatAgent, add_user_args, agent_system_prompt, errored_reasons, errored_summary,
+                     load_agent, make_user_factory, require_vllm, run_episodes)
 
 
 def pass_hat_k(outcomes, k):
@@ -143,8 +143,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("models")
     g.add_argument("--models", nargs="+",
-                   default=["base=out/sft/init", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
-                   help="name=path: a run folder, checkpoint, hub id or OpenAI-compatible URL (default: the demo's)")
+                   default=[f"base={TINY_BASE}", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
+                   help="name=path: a run folder, checkpoint, hub id or OpenAI-compatible URL (default: the demo's; its "
+                        "base is the committed tests/tiny_base)")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the agent's sampler (checkpoints)")
     g.add_argument("--vllm-gpu-memory", type=float, default=0.5, help="vLLM's share of the GPU (weights + KV cache)")
     g.add_argument("--agent-model", default=None, help="model name at an endpoint in --models (default: its name)")

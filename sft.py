@@ -1,7 +1,9 @@
 """
 sft.py: cold-start supervised fine-tuning (MUA-RL's second stage) on synthesized conversations, in plain PyTorch.
 
-    python sft.py                                        # tiny Qwen3-style model from scratch (CPU, minutes)
+    python sft.py                                        # the committed tiny base (tests/tiny_base), CPU, minutes
+    python sft.py --model tiny                           # a tiny Qwen3-style model from scratch instead
+    python sft.py --pretrain --out tests/tiny_base --overwrite   # how the committed base was made (once, ~10 min)
     python sft.py --model /path/to/SmolLM2-135M-Instruct --lr 5e-5 --steps 20
     torchrun --nproc_per_node 8 sft.py --model Qwen/Qwen3-0.6B --batch-size 4 --grad-accum 4 --lr 1e-5
 
@@ -12,11 +14,15 @@ written atomically; --resume continues a killed run from the last one.
 What is simplified, and why:
 1. One loop for every model: AdamW, linear warm-up then cosine, gradient accumulation, DDP under torchrun.
    The loss is a token-level mean over the agent tokens of the whole global batch, whatever the micro-batches.
-2. The CPU demo has no pretrained model to start from, so `--model tiny` builds one (the fenced section at the
-   bottom): a BPE trained on the data, a ~1M-parameter Qwen3, and a copy curriculum that teaches it to copy
-   ids before SFT. A real checkpoint (`--model PATH`) skips all of that.
-3. With --redraw (on by default for the tiny model), every step re-draws the ids and names of its
-   conversations, so a small model must copy them from the context instead of memorizing a few dozen users.
+2. The CPU demo starts, as the paper does, from a pretrained base: a ~1M-parameter Qwen3 that this file's
+   `--pretrain` made once and the repository commits (tests/tiny_base, 6 MB). Its pretraining (the fenced section
+   at the bottom) is a BPE, a copy curriculum that teaches it to copy ids, then language modelling on text of the
+   generated shop: the training users' records as tool calls and results, never a test user or a conversation.
+   `--model tiny` builds the same model from scratch inside SFT instead; whether its copy circuit forms in time
+   then depends on machine and seed. A real checkpoint (`--model PATH`) is used as it is.
+3. For the tiny family (the base, or `--model tiny`), every step re-draws the ids and names of its conversations
+   (--redraw) and mixes in a few copy sequences (--copy-mix), so a small model must copy ids from the context
+   instead of memorizing a few dozen users.
 """
 import argparse
 import functools
@@ -25,6 +31,7 @@ import math
 import os
 import random
 import re
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -33,10 +40,10 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
-from rollout import (LOGPROB_CHUNK, Scale, add_scale_args, all_reduce_sum, autocast, chatml_template, claim_run_dir,
-                     clip_grad, encode_conversation, load_model, load_optimizer_state, logprobs_chunked, open_metrics,
-                     pad_batch, render, resolve_checkpoint, save_checkpoint, set_thinking, setup_distributed,
-                     token_logprobs, unwrap)
+from rollout import (LOGPROB_CHUNK, TINY_BASE, Scale, add_scale_args, all_reduce_sum, autocast, chatml_template,
+                     claim_run_dir, clip_grad, encode_conversation, load_model, load_optimizer_state, logprobs_chunked,
+                     open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint, set_thinking,
+                     setup_distributed, token_logprobs, unwrap)
 
 
 def main(argv=None):
@@ -46,9 +53,10 @@ def main(argv=None):
     g.add_argument("--max-len", type=int, default=2048, help="conversations are truncated to this many tokens")
     g.add_argument("--eval-frac", type=float, default=0.05, help="share of conversations held out for eval")
     g.add_argument("--redraw", default="auto", choices=["auto", "on", "off"],
-                   help="re-draw ids and names in every step's conversations (auto: on for --model tiny)")
+                   help="re-draw ids and names in every step's conversations (auto: on for the tiny family)")
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="tiny", help="'tiny' (from scratch, below) or a path / hub id of a chat model")
+    g.add_argument("--model", default=TINY_BASE, help="the committed tiny base (default), 'tiny' (from scratch, below), "
+                   "or a path / hub id of a chat model")
     g.add_argument("--thinking", default=None, choices=["on", "off"],
                    help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
     g.add_argument("--vocab-size", type=int, default=2048, help="tiny: BPE tokens, plus 1100 digit-chunk tokens")
@@ -56,9 +64,13 @@ def main(argv=None):
     g.add_argument("--n-layer", type=int, default=4, help="tiny: layers")
     g.add_argument("--n-head", type=int, default=4, help="tiny: attention heads")
     g.add_argument("--copy-warmup", type=int, default=900, help="tiny: at most this many short copy steps, + 1/3 long")
-    g.add_argument("--copy-mix", type=int, default=4, help="tiny: copy sequences mixed into every SFT step")
+    g.add_argument("--copy-mix", type=int, default=4, help="tiny family: copy sequences mixed into every SFT step")
+    g = p.add_argument_group("pretraining the tiny base (once; the repository commits the result)")
+    g.add_argument("--pretrain", action="store_true", help="pretrain a tiny base into --out instead of SFT: a BPE, "
+                   "the copy warm-up, then --steps steps of language modelling on the shop beside --data")
+
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    g.add_argument("--steps", type=int, default=600, help="optimizer steps (the CPU demo: about 6 min)")
     g.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch (per rank)")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (tiny from scratch; ~1e-5 for an 8B)")
@@ -90,22 +102,25 @@ def main(argv=None):
         err = claim_run_dir(a.out, a.resume, a.overwrite)
         if err:
             p.error(err)
-    tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup, a.copy_mix) \
-        if a.model == "tiny" else None
+    tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup) \
+        if a.model == "tiny" or a.pretrain else None
+    if a.pretrain:
+        return pretrain_base(data=a.data, out=a.out, tiny=tiny, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+                             warmup=a.warmup, max_len=min(a.max_len, 512), copy_mix=a.copy_mix, seed=a.seed)
     return train(data=a.data, model=a.model, tiny=tiny, out=a.out, steps=a.steps, batch_size=a.batch_size,
                  grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                  max_len=a.max_len, eval_every=a.eval_every, eval_frac=a.eval_frac, save_every=a.save_every,
-                 resume=a.resume, thinking=a.thinking, seed=a.seed,
-                 redraw=a.redraw == "on" or (a.redraw == "auto" and tiny is not None), fsdp=a.fsdp,
-                 cpu_offload=a.cpu_offload, activation_checkpointing=a.activation_checkpointing,
+                 resume=a.resume, thinking=a.thinking, seed=a.seed, redraw=a.redraw, copy_mix=a.copy_mix,
+                 fsdp=a.fsdp, cpu_offload=a.cpu_offload, activation_checkpointing=a.activation_checkpointing,
                  lora_rank=a.lora_rank, lora_alpha=a.lora_alpha)
 
 
 def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, grad_clip, max_len,
-          eval_every, eval_frac, save_every, resume, thinking, redraw, seed, fsdp, cpu_offload,
+          eval_every, eval_frac, save_every, resume, thinking, redraw, copy_mix, seed, fsdp, cpu_offload,
           activation_checkpointing, lora_rank, lora_alpha):
     """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
-    The last five arguments are rollout.add_scale_args' flags. -> (model, tokenizer)."""
+    `redraw` is "on", "off" or "auto" (on for the tiny family); `copy_mix` copy sequences join every step of a
+    tiny-family model. The last five arguments are rollout.add_scale_args' flags. -> (model, tokenizer)."""
     rank, world, device = setup_distributed()
     scale = Scale.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
                           lora_rank=lora_rank, lora_alpha=lora_alpha, world=world, device=device)
@@ -132,7 +147,9 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     else:
         net, tok = load_model(model, **scale.load_kw)
     set_thinking(tok, thinking)
-    copy_mix = CopyMix(tok, tiny.copy_mix, seed, device) if tiny and tiny.copy_mix else None
+    family = tiny is not None or is_tiny_family(tok)  # the committed base, its descendants, or --model tiny
+    redraw = redraw == "on" or (redraw == "auto" and family)
+    copy_mix = CopyMix(tok, copy_mix, seed, device) if family and copy_mix else None
 
     def encode(c):  # -> (ids, mask), truncated
         ids, mask = encode_conversation(tok, c["messages"], c.get("tools"))
@@ -274,7 +291,6 @@ class TinyConfig:
     n_layer: int = 4
     n_head: int = 4
     copy_warmup: int = 900   # at most this many short copy steps before SFT, then a third as many long ones
-    copy_mix: int = 4        # copy sequences mixed into every SFT step (0: none)
 
 
 def tiny_model(convs, cfg, *, lr, seed, device, init_dir=None):
@@ -450,6 +466,98 @@ def copy_warmup(model, tok, steps, lr, device, seed):
             break
         bar.set_postfix(loss=f"{recent[-1]:.2f}", stage=stage)
     return copy_accuracy(model, tok, device), short
+
+
+# ----------------------------------------------------------------------------------------------------
+# the base: pretrained once (`--pretrain`), committed, and the start of every demo run. A base that copies reliably
+# takes the copy circuit's formation, which machine and seed decide, out of the demo: it happens once, here.
+
+
+def is_tiny_family(tok):
+    """True for this section's tokenizers (one token per customer name and per 2- and 3-digit string): the
+    committed base, its descendants, --model tiny. Real chat models' tokenizers have neither."""
+    vocab = tok.get_vocab()
+    return all(t in vocab for t in NAME_TOKENS) and all(t in vocab for t in DIGIT_CHUNKS)
+
+
+def training_users(tasks):
+    """The users a split's generated tasks belong to (a task's script names its user)."""
+    return sorted({t["script"]["user_id"] for t in tasks if (t.get("script") or {}).get("user_id")})
+
+
+def shop_document(db, user_id, rng):
+    """One walk through a user's records, written as tool calls and their results: find the user (by e-mail,
+    or by name and zip), read the details, then some of the orders they list and a product or item each order
+    lists. Every call's arguments appear earlier in the text, as an agent's do: the text a base model of this
+    shop would have read, and copying practice in the conversations' own formats."""
+    u = db["users"][user_id]
+    find = rng.choice([("find_user_id_by_email", {"email": u["email"]}),
+                       ("find_user_id_by_name_zip", {"first_name": u["name"]["first_name"],
+                                                     "last_name": u["name"]["last_name"], "zip": u["address"]["zip"]})])
+    calls = [find, ("get_user_details", {"user_id": user_id})]
+    for oid in rng.sample(u["orders"], min(len(u["orders"]), rng.randint(1, 3))):
+        item = rng.choice(db["orders"][oid]["items"])
+        calls.append(("get_order_details", {"order_id": oid}))
+        calls.append(rng.choice([("get_product_details", {"product_id": item["product_id"]}),
+                                 ("get_item_details", {"item_id": item["item_id"]})]))
+    parts = []
+    for name, args in calls:
+        result, _ = env.call_tool(db, name, args)
+        parts.append("<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>\n" + result)
+    return "\n".join(parts)
+
+
+def pretrain_base(*, data, out, tiny, steps, batch_size, lr, warmup, max_len, copy_mix, seed):
+    """Pretrain the tiny base on the CPU: a tokenizer (trained on the SFT file's conversations and the shop
+    text), the copy warm-up, then `steps` steps of language modelling on shop documents of the training users
+    (shop.json and train_tasks.jsonl beside `data`; ids and names re-drawn in every document) with copy
+    sequences mixed in. Written to `out` as one save_pretrained folder, atomically, with its metrics and recipe.
+    No test user, test task or conversation enters the model's weights. -> (model, tokenizer)."""
+    folder = os.path.dirname(data) or "."
+    db = env.load_db(os.path.join(folder, "shop.json"))
+    users = training_users(env.load_tasks(os.path.join(folder, "train_tasks.jsonl")))
+    if not users:
+        raise SystemExit(f"sft.py --pretrain: no generated train tasks (with a script naming its user) in {folder}")
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    # the tokenizer and the untrained model exactly as `--model tiny` makes them (merges from the conversations)
+    tok, model = make_tiny(load_conversations(data), tiny.vocab_size, tiny.d_model, tiny.n_layer, tiny.n_head, seed)
+    t0 = time.time()
+    acc, short = copy_warmup(model, tok, tiny.copy_warmup, lr, "cpu", seed)
+    recipe = {"seed": seed, "users": len(users), "copy_short_steps": short, "copy_acc_after_warmup": acc,
+              "copy_warmup_s": round(time.time() - t0, 1), "steps": steps, "batch_size": batch_size, "lr": lr,
+              "max_len": max_len, "vocab": len(tok), "params": sum(p.numel() for p in model.parameters())}
+    mix = CopyMix(tok, copy_mix, seed, "cpu") if copy_mix else None
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    tmp = out.rstrip(os.sep) + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "metrics.jsonl"), "w") as log:
+        for step in tqdm(range(steps), desc="pretrain"):
+            docs = [redraw_ids(shop_document(db, rng.choice(users), rng), rng) for _ in range(batch_size)]
+            batch = [(ids, [1] * len(ids)) for ids in (tok(d)["input_ids"][:max_len] for d in docs)]
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, steps, lr, warmup)
+            loss = micro_loss(model, batch, sum(len(i) - 1 for i, _ in batch), "cpu")
+            total = loss + (mix.loss(model, step, 0) if mix else 0.0)
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec = {"step": step + 1, "lm_loss": round(float(loss.detach()), 4)}
+            if (step + 1) % 100 == 0 or step + 1 == steps:
+                rec["copy_acc"] = copy_accuracy(model, tok, "cpu")
+            log.write(json.dumps(rec) + "\n")
+    recipe.update(lm_loss=rec["lm_loss"], copy_acc=copy_accuracy(model, tok, "cpu"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "pretrain.json"), "w") as f:
+        json.dump(recipe, f, indent=1)
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    print(f"sft.py --pretrain: {out} ({recipe['params']:,} parameters): copy accuracy {recipe['copy_acc']:.3f}, "
+          f"shop-text loss {recipe['lm_loss']:.3f}", flush=True)
+    return model, tok
 
 
 # ----------------------------------------------------------------------------------------------------

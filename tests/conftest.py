@@ -54,7 +54,7 @@ def world(tmp_path_factory):
     data, out = root / "data", root / "out"
     run_py("synth.py", "--data-dir", data, "--n-users", "30", "--n-train", "40", "--n-test", "9")
     # sft.main's own defaults (so a new sft.py option cannot break the fixture), tiny sizes
-    run_main(sft, data=data / "sft.jsonl", out=out / "sft", d_model=32, n_layer=2, n_head=2, vocab_size=512, steps=3,
+    run_main(sft, data=data / "sft.jsonl", out=out / "sft", model="tiny", d_model=32, n_layer=2, n_head=2, vocab_size=512, steps=3,
              batch_size=2, max_len=1024, eval_every=100, warmup=1, copy_warmup=0, copy_mix=0)
     assert (out / "sft" / "latest").is_file() and (out / "sft" / "init" / "latest").is_file()
     return SimpleNamespace(root=root, data=data, sft=out / "sft")

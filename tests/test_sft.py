@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -38,8 +39,9 @@ def db(shop):
 
 
 def sft_args(data, out, **over):
-    """sft.py's flags as keyword arguments (util.run_main / util.cli_args turn them into a command line)."""
-    return dict(data=str(data), out=str(out), **over)
+    """sft.py's flags as keyword arguments (util.run_main / util.cli_args turn them into a command line); the tiny
+    model from scratch unless `model` says otherwise (sft.py's default, the committed base, has its own tests)."""
+    return dict(data=str(data), out=str(out), **{"model": "tiny", **over})
 
 
 @pytest.fixture(scope="module")
@@ -516,3 +518,58 @@ def test_lora_sft_merged_checkpoint_and_exact_resume(world, tmp_path):
     again, _ = rollout.load_model(str(tmp_path / "cut"))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(merged.state_dict().values(),
                                                                  again.state_dict().values()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the committed base (tests/tiny_base, made by `sft.py --pretrain`): the CPU demo starts from it
+
+
+def test_committed_base_is_small_loads_and_copies():
+    """The base is what makes the demo independent of machine and seed: it must load as a plain checkpoint, stay
+    small enough to commit, be of the tiny family (SFT re-draws ids for it) and already copy ids over long gaps
+    (pretrain.json recorded 0.925; an untrained or collapsed model scores near 0)."""
+    base = Path(rollout.TINY_BASE)
+    size = sum(f.stat().st_size for f in base.iterdir() if f.is_file())
+    assert size <= 10 * 2**20, f"{base} holds {size / 2**20:.1f} MB"
+    model, tok = rollout.load_model(str(base))
+    assert sft.is_tiny_family(tok) and tok.chat_template == sft.TINY_CHAT_TEMPLATE
+    recipe = json.loads((base / "pretrain.json").read_text())
+    assert recipe["params"] == sum(p.numel() for p in model.parameters())
+    assert sft.copy_accuracy(model.eval(), tok, "cpu") >= 0.8
+
+
+def test_pretraining_text_holds_training_users_only(shop, splits):
+    """No test user's id, e-mail or order may enter the base: its shop documents walk training users only, and
+    every call in a document names ids its earlier text (or the user's own record) gave."""
+    train_users, test_users = sft.training_users(splits["train"]), sft.training_users(splits["test"])
+    assert train_users and test_users and not set(train_users) & set(test_users)
+    rng = random.Random(SEED)
+    docs = [sft.shop_document(shop, rng.choice(train_users), rng) for _ in range(300)]
+    for uid in test_users:
+        u = shop["users"][uid]
+        for secret in [uid, u["email"], *u["orders"]]:
+            assert not any(secret in d for d in docs), secret
+    for d in docs[:50]:
+        calls = [json.loads(c) for c in re.findall(r"<tool_call>(.*?)</tool_call>", d)]
+        assert calls[0]["name"].startswith("find_user_id") and calls[1]["name"] == "get_user_details"
+        assert all(not result.startswith("Error") for result in re.findall(r"</tool_call>\n(.*)", d))
+
+
+def test_pretrain_writes_a_loadable_base_and_refuses_to_overwrite(shop, train_tasks, small_data, tmp_path, capsys):
+    """--pretrain on the generated shop beside --data: a save_pretrained folder with its recipe and metrics,
+    written whole; a second run into it needs --overwrite."""
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copy(small_data, data / "sft.jsonl")
+    (data / "shop.json").write_text(json.dumps(shop))
+    env.save_tasks(train_tasks, str(data / "train_tasks.jsonl"))
+    out = tmp_path / "base"
+    args = dict(data=data / "sft.jsonl", out=out, pretrain=True, steps=3, batch_size=2, copy_warmup=2, d_model=32,
+                n_layer=1, n_head=2, vocab_size=400, copy_mix=1)
+    run_main(sft, **args)
+    recipe = json.loads((out / "pretrain.json").read_text())
+    assert recipe["steps"] == 3 and len(read_jsonl(out / "metrics.jsonl")) == 3
+    model, tok = rollout.load_model(str(out))
+    assert sft.is_tiny_family(tok) and not (tmp_path / "base.tmp").exists()
+    assert "already holds a run" in refused(capsys, **args)
+    run_main(sft, **args, overwrite=True)
