@@ -3,7 +3,7 @@ grpo.py: MUA-RL's reinforcement learning. The policy plays whole conversations w
 calling real tools, and learns from the 0/1 task reward alone with GRPO (no value model).
 
     python grpo.py --model out/sft                       # CPU demo: SFT model, scripted user (the default)
-    python grpo.py --model out/sft/init --out out/grpo_rl_only     # RL from the untrained model
+    python grpo.py --model tests/tiny_base --out out/grpo_rl_only  # RL only, from the base (no cold start)
     python grpo.py --model out/sft --user smollm2 --steps 3        # SmolLM2-135M-Instruct plays the user
 
 GPU recipe of the paper (Qwen3-8B after cold-start SFT; 8 x 80 GB; a vLLM server elsewhere for the user). FSDP2
@@ -71,6 +71,9 @@ def main(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
     g.add_argument("--drop-zero-spread", action="store_true", help="replace groups whose rewards are all equal")
+    g.add_argument("--task-sampling", default="uniform", choices=["uniform", "spread"],
+                   help="draw tasks uniformly, or by the reward variance p(1-p) of their kind's running success rate "
+                        "(tasks every rollout solves, or none does, carry no gradient)")
     add_user_args(p)
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=30, help="GRPO steps")
@@ -113,7 +116,8 @@ def main(argv=None):
 
 
 def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
-          group, temperature, max_turns, max_new_tokens, max_len, drop_zero_spread, user, user_model, user_guidelines,
+          group, temperature, max_turns, max_new_tokens, max_len, drop_zero_spread, task_sampling, user, user_model,
+          user_guidelines,
           llm_concurrency, llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip,
           seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha):
     """The GRPO loop. -> (policy, tokenizer)."""
@@ -152,6 +156,9 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
                             betas=(0.9, 0.99))
     start = 0
+    # running [successes, scored rollouts] per task kind (per task where tasks have no kind), for --task-sampling
+    keys = sorted({task_key(t) for t in train_tasks})
+    tally = state.get("tally", torch.zeros(len(keys), 2, dtype=torch.float64))
     if resuming:
         load_optimizer_state(policy, opt, state["optimizer"])
         start = state["step"]
@@ -171,10 +178,12 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
     update_kw = dict(ppo_epochs=ppo_epochs, mini_batches=mini_batches, micro_batch=micro_batch, clip=clip,
                      beta=beta, grad_clip=grad_clip, temperature=temperature, seed=seed)
     for step in bar:
+        weights = task_weights(train_tasks, keys, tally) if task_sampling == "spread" else None
         rec = grpo_step(policy, ref, opt, gen, tok, train_tasks, shop, make_user, step=step, rank=rank, world=world,
-                        device=device, seed=seed, batch_tasks=batch_tasks, group=group,
+                        device=device, seed=seed, batch_tasks=batch_tasks, group=group, weights=weights, keys=keys,
                         drop_zero_spread=drop_zero_spread, mean_only=mean_only, episode_kw=episode_kw,
                         update_kw=update_kw)
+        tally += rec.pop("tally")
         errored.update(rec.get("errored_reasons", {}))
         if rank == 0:
             bar.set_postfix(reward="-" if rec["reward_mean"] is None else f"{rec['reward_mean']:.2f}",
@@ -184,7 +193,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
             if wb:
                 wb.log(rec)
         if (step + 1) % save_every == 0 or step + 1 == steps:  # every rank: FSDP gathers the weights first
-            save_checkpoint(out, step + 1, policy, tok, opt)
+            save_checkpoint(out, step + 1, policy, tok, opt, extra={"tally": tally})
     if rank == 0:
         plot_metrics(os.path.join(out, "metrics.jsonl"), os.path.join(out, "reward.png"))
         if errored:  # their rewards were left out of every mean and every advantage; say how many and why
@@ -197,14 +206,16 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
 
 
 def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, world, device, seed, batch_tasks,
-              group, drop_zero_spread, mean_only, episode_kw, update_kw):
+              group, drop_zero_spread, mean_only, episode_kw, update_kw, weights=None, keys=None):
     """One GRPO step: rollouts with the user in the loop, group-normalised advantages, one policy update.
-    `episode_kw` goes to run_episodes, `update_kw` to update. -> the step's metrics (one JSONL line)."""
+    `episode_kw` goes to run_episodes, `update_kw` to update; `weights` (one per task, or None: uniform) to the
+    task draw. -> the step's metrics (one JSONL line) and, under "tally", the step's global (successes,
+    rollouts) per task key (task_key; `keys` as in train)."""
     # 1. rollouts with the user in the loop, rewarded by the database check
     t0 = time.time()
     eps, zero, played = collect(gen, tok, tasks, db, make_user, step=step, rank=rank, world=world, seed=seed,
                                 batch_tasks=batch_tasks, group=group, drop_zero_spread=drop_zero_spread,
-                                episode_kw=episode_kw)
+                                episode_kw=episode_kw, weights=weights)
     t1 = time.time()
     # 2. group-normalised advantages; a failed user simulator says nothing about the policy: no gradient, and
     # its placeholder reward stays out of its group's mean and std
@@ -219,19 +230,26 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, w
             gen.load_weights(unwrap(policy))  # wakes it, pushes bf16 weights
     else:
         stats = {"update_skipped": 1}
-    return step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1)
+    keys = keys or sorted({task_key(t) for t in tasks})
+    tally = torch.zeros(len(keys), 2, dtype=torch.float64)
+    kind = {t["id"]: task_key(t) for t in tasks}
+    for e in eps:
+        if not e.errored:
+            tally[keys.index(kind[e.task_id])] += torch.tensor([e.reward, 1.0], dtype=torch.float64)
+    return {**step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1), "tally": all_reduce_sum(tally)}
 
 
 def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_tasks, group, drop_zero_spread,
-            episode_kw):
-    """Play G rollouts of this rank's share of B tasks; with drop_zero_spread, groups whose rewards are all
-    equal are replaced by fresh tasks (up to 3 extra rounds). `episode_kw` goes to run_episodes.
-    -> (kept episodes in group order, zero-spread groups, groups played)."""
+            episode_kw, weights=None):
+    """Play G rollouts of this rank's share of B tasks (drawn uniformly, or by `weights`); with drop_zero_spread,
+    groups whose rewards are all equal are replaced by fresh tasks (up to 3 extra rounds). `episode_kw` goes to
+    run_episodes. -> (kept episodes in group order, zero-spread groups, groups played)."""
     rng = random.Random(seed * 1000003 + step * world + rank)
     want = max(1, batch_tasks // world)
     kept, zero, played, rounds = [], 0, 0, 0
     while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
-        batch = [rng.choice(tasks) for _ in range(want - len(kept) // group)]
+        n = want - len(kept) // group
+        batch = [rng.choice(tasks) for _ in range(n)] if weights is None else rng.choices(tasks, weights, k=n)
         eps = run_episodes(gen, tok, [t for t in batch for _ in range(group)], db, make_user,
                            seed=rng.randrange(2**31), **episode_kw)
         played += len(batch)
@@ -245,6 +263,20 @@ def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_ta
             kept += grp
         rounds += 1
     return kept, zero, played
+
+
+def task_key(task):
+    """What --task-sampling keeps a success rate for: the task's kind (generated tasks), else the task itself."""
+    return task.get("kind") or task["id"]
+
+
+def task_weights(tasks, keys, tally, floor=0.02):
+    """One weight per task: p (1 - p), the variance of a 0/1 reward, for p the Laplace-smoothed running success
+    rate of its key; 0 exactly where a group can carry no gradient (p at 0 or 1), so a floor keeps every key
+    drawn now and then (the policy changes). tally: (len(keys), 2) running (successes, rollouts)."""
+    p = (tally[:, 0] + 1) / (tally[:, 1] + 2)
+    w = (p * (1 - p)).clamp(min=floor).tolist()
+    return [w[keys.index(task_key(t))] for t in tasks]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -526,6 +526,42 @@ def test_collect_drop_zero_spread(monkeypatch):
     assert len(calls) == 4 and kept == [] and zero == played == 16
 
 
+def test_task_weights_follow_the_reward_variance_of_each_kind():
+    """--task-sampling spread: a kind always solved or never solved is drawn at the floor, one at 50% most; an
+    unseen kind (Laplace prior p = 1/2) is drawn as often as the 50% one; tasks without a kind count alone."""
+    tasks = [{"id": "i1", "kind": "info"}, {"id": "c1", "kind": "cancel"}, {"id": "c2", "kind": "cancel"},
+             {"id": "x1", "kind": "exchange"}, {"id": "n1", "kind": "new"}, {"id": "tau2-7"}]
+    keys = sorted({grpo.task_key(t) for t in tasks})
+    tally = torch.zeros(len(keys), 2, dtype=torch.float64)
+    for key, (wins, n) in {"info": (64, 64), "cancel": (32, 64), "exchange": (0, 64)}.items():
+        tally[keys.index(key)] = torch.tensor([wins, n], dtype=torch.float64)
+    w = dict(zip([t["id"] for t in tasks], grpo.task_weights(tasks, keys, tally)))
+    assert w["i1"] == w["x1"] == 0.02 and w["c1"] == w["c2"] == pytest.approx(0.25)
+    assert w["n1"] == w["tau2-7"] == pytest.approx(0.25)
+
+
+def test_collect_draws_by_the_weights(monkeypatch):
+    calls = []
+    monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls))
+    tasks = [{"id": n} for n in ("spread", "a", "b", "c")]
+    for step in range(5):
+        grpo.collect(None, None, tasks, {}, None, **collect_args(weights=[1.0, 0.0, 0.0, 0.0]), step=step, rank=0,
+                     world=1)
+    assert {t for c in calls for t in c} == {"spread"}
+
+
+def test_spread_sampling_run_tallies_kinds_and_resumes(world, tmp_path, monkeypatch):
+    """The running tally is global per step, saved with each checkpoint and restored on --resume."""
+    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "a", steps=2, task_sampling="spread", save_every=1))
+    state = torch.load(tmp_path / "a" / "step_000002" / "train_state.pt", weights_only=False)
+    assert float(state["tally"][:, 1].sum()) == 2 * 2 * 2  # steps x tasks x group (tiny_grpo)
+    run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=1, task_sampling="spread"))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=2, task_sampling="spread", resume=True))
+    ra, rb = read_jsonl(tmp_path / "a" / "metrics.jsonl"), read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    assert ra[1]["reward_mean"] == rb[1]["reward_mean"] and ra[1]["tokens_generated"] == rb[1]["tokens_generated"]
+
+
 def test_errored_rollout_does_not_make_a_spread(monkeypatch):
     """A group [1, errored] has one real outcome: no spread, so it is dropped."""
     calls = []
