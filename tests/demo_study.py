@@ -1,0 +1,183 @@
+"""
+The CPU demo, measured: the README's pipeline on seeds 0-2 from a fresh data folder each, timed stage by stage, and
+RL's effect against the same compute spent on more SFT.
+
+    python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 20 min a seed, alone)
+    python tests/demo_study.py --seeds 0 --out runs/s0 # one seed
+    python tests/demo_study.py --report runs/study     # only the table and the plot, from finished runs
+
+Per seed S, each a command line of the README's pipeline with `--seed S` (the defaults otherwise):
+    synth.py; sft.py (from the committed base); grpo.py (M minutes); grpo.py from the base (RL only);
+    evaluate.py (base, SFT, MUA-RL, RL-only)   <- these five are "the pipeline": their wall time and peak RSS
+    sft.py continued from the SFT model for as many steps as M minutes buy at its measured speed ("SFT more"),
+    at the learning rate its schedule ended on; grpo.py --task-sampling spread (a second RL recipe); evaluate.py
+    on both.
+GRPO's effect is MUA-RL minus SFT-more on the held-out tasks (greedy pass^1 and pass^4 over 4 trials): the mean
+over seeds, with a 95% interval from a paired bootstrap that resamples each seed's tasks (the same tasks for both
+models) and averages over seeds. Writes <out>/study.json, <out>/study.md and <out>/reward.png (GRPO's training
+reward, every seed).
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = ["base", "sft", "mua-rl", "rl-only", "sft-more", "mua-rl-spread"]
+# a second GRPO recipe measured beside the default, outside the timed pipeline: tasks drawn by their kind's reward
+# variance (grpo.py --task-sampling spread) instead of uniformly
+SPREAD = ["--task-sampling", "spread"]
+
+
+def run(cmd, log):
+    """Run one stage; -> (wall seconds, peak RSS in GB of that process tree's largest process)."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, *cmd], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        _, status, usage = os.wait4(proc.pid, 0)
+    if status:
+        raise SystemExit(f"{' '.join(cmd)} failed ({status}); see {log}")
+    return round(time.time() - t0, 1), round(usage.ru_maxrss / 2**20, 2)
+
+
+def one_seed(seed, root):
+    """The pipeline and the compute-matched SFT arm for one seed. -> its record (times, RSS, steps)."""
+    d = lambda *p: os.path.join(root, *p)
+    os.makedirs(root, exist_ok=True)
+    s = ["--seed", str(seed)]
+    stages = {
+        "synth": ["synth.py", "--data-dir", d("data"), *s],
+        "sft": ["sft.py", "--data", d("data", "sft.jsonl"), "--out", d("sft"), "--overwrite", *s],
+        "grpo": ["grpo.py", "--model", d("sft"), "--data-dir", d("data"), "--out", d("grpo"), "--overwrite", *s],
+        "rl-only": ["grpo.py", "--model", "tests/tiny_base", "--data-dir", d("data"), "--out", d("grpo_rl_only"),
+                    "--overwrite", *s],
+        "evaluate": ["evaluate.py", "--data-dir", d("data"), "--out", d("eval"), "--models",
+                     "base=tests/tiny_base", f"sft={d('sft')}", f"mua-rl={d('grpo')}", f"rl-only={d('grpo_rl_only')}"],
+    }
+    rec = {"seed": seed, "sec": {}, "rss_gb": {}}
+    for name, cmd in stages.items():
+        rec["sec"][name], rec["rss_gb"][name] = run(cmd, d(f"{name}.log"))
+        print(f"seed {seed}: {name} {rec['sec'][name]} s, peak RSS {rec['rss_gb'][name]} GB", flush=True)
+    # the compute-matched arm: SFT continued for GRPO's wall time, at the speed SFT's own steps ran
+    sft_rows = [json.loads(x) for x in open(d("sft", "metrics.jsonl"))]
+    sec_per_step = sum(r["sec"] for r in sft_rows) / len(sft_rows)
+    n = max(1, round(rec["sec"]["grpo"] / sec_per_step))
+    end_lr = sft_rows[-1]["lr"]
+    rec.update(sft_sec_per_step=round(sec_per_step, 3), sft_more_steps=n, sft_more_lr=end_lr)
+    more = ["sft.py", "--model", d("sft"), "--data", d("data", "sft.jsonl"), "--out", d("sft_more"), "--overwrite",
+            "--steps", str(n), "--lr", str(end_lr), "--warmup", "0", "--eval-every", str(n), "--save-every", str(n), *s]
+    rec["sec"]["sft-more"], rec["rss_gb"]["sft-more"] = run(more, d("sft-more.log"))
+    spread = ["grpo.py", "--model", d("sft"), "--data-dir", d("data"), "--out", d("grpo_spread"), "--overwrite",
+              *SPREAD, *s]
+    rec["sec"]["grpo-spread"], rec["rss_gb"]["grpo-spread"] = run(spread, d("grpo-spread.log"))
+    ev = ["evaluate.py", "--data-dir", d("data"), "--out", d("eval_more"), "--models", f"sft-more={d('sft_more')}",
+          f"mua-rl-spread={d('grpo_spread')}"]
+    rec["sec"]["evaluate-more"], _ = run(ev, d("evaluate-more.log"))
+    rec["pipeline_sec"] = sum(rec["sec"][k] for k in stages)
+    rec["pipeline_rss_gb"] = max(rec["rss_gb"][k] for k in stages)
+    with open(d("record.json"), "w") as f:
+        json.dump(rec, f, indent=1)
+    return rec
+
+
+def per_task(path):
+    """A transcript JSONL -> {task_id: [rewards of its trials]} (errored episodes left out, as in evaluate.py)."""
+    out = {}
+    for line in open(path):
+        e = json.loads(line)
+        if not e.get("errored"):
+            out.setdefault(e["task_id"], []).append(float(e["reward"]))
+    return out
+
+
+def scores(trials):
+    """{task: rewards} -> {task: (pass^1, pass^4)} with 4 trials a task: pass^4 is 1 iff all four succeeded."""
+    return {t: (sum(r) / len(r), float(all(x == 1.0 for x in r))) for t, r in trials.items()}
+
+
+def bootstrap(diffs, n=10000, seed=0):
+    """diffs: one list of per-task differences per seed. Resample each seed's tasks with replacement, average per
+    seed, then over seeds. -> (mean, 2.5th percentile, 97.5th percentile)."""
+    rng = random.Random(seed)
+    mean = sum(sum(d) / len(d) for d in diffs) / len(diffs)
+    draws = sorted(sum(sum(rng.choice(d) for _ in d) / len(d) for d in diffs) / len(diffs) for _ in range(n))
+    return mean, draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
+
+
+def report(out, seeds):
+    recs = [json.load(open(os.path.join(out, f"seed{s}", "record.json"))) for s in seeds]
+    table = {}
+    for s in seeds:
+        ev = lambda name, folder="eval": scores(per_task(os.path.join(out, f"seed{s}", folder, f"{name}.jsonl")))
+        table[s] = {r: ev(r) for r in ROWS[:4]}
+        table[s]["sft-more"] = ev("sft-more", "eval_more")
+        table[s]["mua-rl-spread"] = ev("mua-rl-spread", "eval_more")
+    lines = ["| model | " + " | ".join(f"seed {s} pass^1 / pass^4" for s in seeds) + " | mean pass^1 | mean pass^4 |",
+             "|---|" + "---|" * (len(seeds) + 2)]
+    summary = {}
+    for r in ROWS:
+        cells, p1s, p4s = [], [], []
+        for s in seeds:
+            v = table[s][r].values()
+            p1, p4 = 100 * sum(x[0] for x in v) / len(v), 100 * sum(x[1] for x in v) / len(v)
+            cells.append(f"{p1:.1f} / {p4:.1f}")
+            p1s.append(p1)
+            p4s.append(p4)
+        summary[r] = {"pass^1": p1s, "pass^4": p4s}
+        lines.append(f"| {r} | " + " | ".join(cells) + f" | {sum(p1s) / len(p1s):.1f} | {sum(p4s) / len(p4s):.1f} |")
+    effects = {}
+    for a, b in [("mua-rl", "sft-more"), ("mua-rl-spread", "sft-more"), ("mua-rl", "sft"), ("sft-more", "sft")]:
+        for k, name in ((0, "pass^1"), (1, "pass^4")):
+            diffs = [[100 * (table[s][a][t][k] - table[s][b][t][k]) for t in sorted(table[s][b])] for s in seeds]
+            m, lo, hi = bootstrap(diffs)
+            effects[f"{a} - {b}, {name}"] = [round(m, 1), round(lo, 1), round(hi, 1)]
+    lines += ["", "| difference (points, paired over tasks) | mean | 95% interval |", "|---|---|---|"]
+    lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] |" for k, v in effects.items()]
+    lines += ["", "| seed | pipeline (s) | peak RSS (GB) | GRPO (s) | SFT-more steps |", "|---|---|---|---|---|"]
+    lines += [f"| {r['seed']} | {r['pipeline_sec']:.0f} | {r['pipeline_rss_gb']:.2f} | {r['sec']['grpo']:.0f} | "
+              f"{r['sft_more_steps']} |" for r in recs]
+    md = "\n".join(lines)
+    print(md)
+    with open(os.path.join(out, "study.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(out, "study.json"), "w") as f:
+        json.dump({"records": recs, "rows": summary, "effects": effects}, f, indent=1)
+    plot_rewards(out, seeds)
+
+
+def plot_rewards(out, seeds):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for s in seeds:
+        for folder, style, name in (("grpo", "-", "uniform"), ("grpo_spread", ":", "spread")):
+            rows = [json.loads(x) for x in open(os.path.join(out, f"seed{s}", folder, "metrics.jsonl"))]
+            ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], style, color=f"C{s}",
+                    label=f"seed {s}, {name}")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("mean training reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "reward.png"), dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one full pipeline per seed")
+    p.add_argument("--out", default="runs/study", help="a folder per seed, then study.md/.json and reward.png")
+    p.add_argument("--report", default=None, help="only report on the finished seeds in this folder")
+    a = p.parse_args()
+    if not a.report:
+        for s in a.seeds:
+            one_seed(s, os.path.join(a.out, f"seed{s}"))
+    report(a.report or a.out, a.seeds)
+
+
+if __name__ == "__main__":
+    main()
