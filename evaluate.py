@@ -144,8 +144,8 @@ def main(argv=None):
     g = p.add_argument_group("models")
     g.add_argument("--models", nargs="+",
                    default=[f"base={TINY_BASE}", "sft=out/sft", "mua-rl=out/grpo", "rl-only=out/grpo_rl_only"],
-                   help="name=path: a run folder, checkpoint, hub id or OpenAI-compatible URL (default: the demo's; its "
-                        "base is the committed tests/tiny_base)")
+                   help="name=path: a run folder, checkpoint, hub id or OpenAI-compatible URL (default: the demo's; "
+                        "its base is the committed tests/tiny_base)")
     g.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="the agent's sampler (checkpoints)")
     g.add_argument("--vllm-gpu-memory", type=float, default=0.5, help="vLLM's share of the GPU (weights + KV cache)")
     g.add_argument("--agent-model", default=None, help="model name at an endpoint in --models (default: its name)")

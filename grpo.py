@@ -183,7 +183,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
                         device=device, seed=seed, batch_tasks=batch_tasks, group=group, weights=weights, keys=keys,
                         drop_zero_spread=drop_zero_spread, mean_only=mean_only, episode_kw=episode_kw,
                         update_kw=update_kw)
-        tally += rec.pop("tally")
+        tally += torch.tensor(rec.pop("tally"), dtype=torch.float64).view(-1, 2)
         errored.update(rec.get("errored_reasons", {}))
         if rank == 0:
             bar.set_postfix(reward="-" if rec["reward_mean"] is None else f"{rec['reward_mean']:.2f}",
@@ -209,8 +209,8 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, w
               group, drop_zero_spread, mean_only, episode_kw, update_kw, weights=None, keys=None):
     """One GRPO step: rollouts with the user in the loop, group-normalised advantages, one policy update.
     `episode_kw` goes to run_episodes, `update_kw` to update; `weights` (one per task, or None: uniform) to the
-    task draw. -> the step's metrics (one JSONL line) and, under "tally", the step's global (successes,
-    rollouts) per task key (task_key; `keys` as in train)."""
+    task draw. -> the step's metrics (one JSONL line) and, under "tally", the step's global [successes,
+    rollouts] per task key (task_key; `keys` as in train), which train() pops into its running tally."""
     # 1. rollouts with the user in the loop, rewarded by the database check
     t0 = time.time()
     eps, zero, played = collect(gen, tok, tasks, db, make_user, step=step, rank=rank, world=world, seed=seed,
@@ -230,13 +230,19 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, w
             gen.load_weights(unwrap(policy))  # wakes it, pushes bf16 weights
     else:
         stats = {"update_skipped": 1}
-    keys = keys or sorted({task_key(t) for t in tasks})
+    return {**step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1),
+            "tally": tally_rewards(eps, tasks, keys or sorted({task_key(t) for t in tasks})).tolist()}
+
+
+def tally_rewards(eps, tasks, keys):
+    """-> (len(keys), 2) float64: the (successes, scored rollouts) of the step's episodes per task key, summed
+    over ranks. Errored episodes, and any whose task is not in `tasks`, are left out."""
     tally = torch.zeros(len(keys), 2, dtype=torch.float64)
-    kind = {t["id"]: task_key(t) for t in tasks}
+    key_of = {t["id"]: task_key(t) for t in tasks}
     for e in eps:
-        if not e.errored:
-            tally[keys.index(kind[e.task_id])] += torch.tensor([e.reward, 1.0], dtype=torch.float64)
-    return {**step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1), "tally": all_reduce_sum(tally)}
+        if not e.errored and e.task_id in key_of:
+            tally[keys.index(key_of[e.task_id])] += torch.tensor([e.reward, 1.0], dtype=torch.float64)
+    return all_reduce_sum(tally)
 
 
 def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_tasks, group, drop_zero_spread,

@@ -82,7 +82,7 @@ def agent_system_prompt(policy=None, tasks=None):
 # ----------------------------------------------------------------------------------------------------
 # models and checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
 
-# the CPU demo's base model: a ~1M-parameter Qwen3 pretrained once by `sft.py --pretrain` and committed (6 MB)
+# the CPU demo's base model: a ~1M-parameter Qwen3 pretrained once by `sft.py --pretrain` and committed (5 MB)
 TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "tiny_base")
 
 

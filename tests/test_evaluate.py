@@ -509,3 +509,39 @@ def test_empty_test_tasks_are_refused(world, tmp_path):
     with pytest.raises(SystemExit, match=f"no tasks in {empty}"):
         run_main(evaluate, models=[f"sft={world.sft}"], tasks=empty, db=world.data / "shop.json",
                  out=tmp_path / "eval")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the demo's path from the committed base, end to end
+
+DEMO_SFT_STEPS = 150  # of the demo's 600: the base learns the protocol and copies ids, not yet to solve tasks
+
+
+@pytest.mark.slow
+def test_demo_path_from_the_committed_base(tmp_path):
+    """synth.py, SFT from tests/tiny_base, 2 GRPO steps, evaluation (1 greedy trial of the 60 test tasks), each
+    through its command line with the demo's defaults but for the step counts (about 3.5 min). Asserted is only
+    what held with a margin on seeds 0, 1 and 2 (2026-12-05, 2 cores): after 150 steps the SFT model copies ids
+    (eval_id_acc 0.872 / 0.910 / 0.878, copy_acc 0.90-0.96, eval_loss 0.62-0.77) and makes valid tool calls in
+    the held-out episodes (2.8 / 2.6 / 3.4 an episode) where the base makes none; the base solves no task. Task
+    success itself needs the demo's 600 steps (pass^1 at 150 steps was 0.0-1.7%), so it is not asserted; nor is
+    any gain from GRPO, whose 2 steps must only run and leave a checkpoint that plays."""
+    import grpo
+    import synth
+    data, out = tmp_path / "data", tmp_path / "out"
+    run_main(synth, data_dir=data)
+    run_main(sft, data=data / "sft.jsonl", out=out / "sft", steps=DEMO_SFT_STEPS, eval_every=DEMO_SFT_STEPS)
+    last = read_jsonl(out / "sft" / "metrics.jsonl")[-1]
+    assert last["step"] == DEMO_SFT_STEPS, last
+    assert last["eval_id_acc"] >= 0.75 and last["copy_acc"] >= 0.75 and last["eval_loss"] <= 0.95, last
+    run_main(grpo, model=out / "sft", data_dir=data, out=out / "grpo", steps=2)
+    assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1, 2]
+    res = evaluate.main(["--models", f"base={rollout.TINY_BASE}", f"sft={out / 'sft'}", f"grpo={out / 'grpo'}",
+                         "--data-dir", str(data), "--k", "1", "--out", str(out / "eval")])
+    assert all(r["all"]["n"] == 60 and r["all"]["errored"] == 0 for r in res.values())
+    assert res["base"]["all"]["pass^1"] == 0.0 and res["grpo"]["all"]["pass^1"] is not None
+
+    def valid_calls(name):  # tool calls that ran without an error, per episode
+        eps = read_jsonl(out / "eval" / f"{name}.jsonl")
+        return sum(e["tool_calls"] - e["tool_errors"] for e in eps) / len(eps)
+    assert valid_calls("base") == 0.0 and valid_calls("sft") >= 1.5
