@@ -34,8 +34,8 @@ from math import comb
 import torch
 
 import env
-from rollout import (TINY_BASE, ChatAgent, add_user_args, agent_system_prompt, errored_reasons, errored_summary,
-                     load_agent, make_user_factory, require_vllm, run_episodes)
+from rollout import (ChatAgent, TINY_BASE, add_user_args, agent_system_prompt, check_flags, errored_reasons,
+                     errored_summary, load_agent, make_user_factory, require_vllm, run_episodes)
 
 
 def pass_hat_k(outcomes, k):
@@ -180,14 +180,12 @@ def main(argv=None):
     g.add_argument("--out", default=None, help="results.json, results.md, a transcript JSONL per model (default: "
                                                 "out/eval, out/eval_bfcl)")
     ns = p.parse_args(argv)
-    for flag, ok, allowed in [  # checked up front: one line naming the flag and what it may be
+    check_flags(p, ns, [  # checked up front: one line naming the flag and what it may be
             ("--k", ns.k >= 1, ">= 1"), ("--temperature", ns.temperature >= 0, ">= 0 (0: greedy)"),
             ("--n-tasks", ns.n_tasks is None or ns.n_tasks >= 1, ">= 1"),
             ("--max-turns", ns.max_turns is None or ns.max_turns >= 1, ">= 1"),
             ("--max-new-tokens", ns.max_new_tokens >= 1, ">= 1"), ("--max-len", ns.max_len >= 2, ">= 2"),
-            ("--llm-concurrency", ns.llm_concurrency >= 1, ">= 1"), ("--llm-deadline", ns.llm_deadline > 0, "> 0")]:
-        if not ok:
-            p.error(f"{flag} must be {allowed} (got {getattr(ns, flag[2:].replace('-', '_'))})")
+            ("--llm-concurrency", ns.llm_concurrency >= 1, ">= 1"), ("--llm-deadline", ns.llm_deadline > 0, "> 0")])
     a = vars(ns)
     bench, bfcl_kw = a.pop("bench"), {k: a.pop(k) for k in ("categories", "n", "batch")}
     if bench == "bfcl":

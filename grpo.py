@@ -42,9 +42,10 @@ from tqdm import tqdm
 
 import env
 from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_args, add_user_args, agent_system_prompt,
-                     all_reduce_max, all_reduce_sum, autocast, claim_run_dir, clip_grad, errored_reasons, load_model,
-                     load_optimizer_state, logprobs_chunked, make_user_factory, open_metrics, pad_batch, require_vllm,
-                     resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap)
+                     all_reduce_max, all_reduce_sum, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons,
+                     load_model, load_optimizer_state, logprobs_chunked, make_user_factory, open_metrics, pad_batch,
+                     require_vllm, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed,
+                     unwrap)
 
 
 def main(argv=None):
@@ -95,7 +96,7 @@ def main(argv=None):
     add_scale_args(p)
     a = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for flag, ok, allowed in [  # checked up front: a bad value used to give NaN, no update or no checkpoint
+    check_flags(p, a, [  # checked up front: a bad value used to give NaN, no update or no checkpoint
             ("--temperature", a.temperature > 0, "> 0 (GRPO's ratio divides the logits by it)"),
             ("--group", a.group >= 2, ">= 2 (a group of one has no spread, so never an update)"),
             ("--batch-tasks", a.batch_tasks >= world, f">= the number of ranks ({world})"),
@@ -104,13 +105,8 @@ def main(argv=None):
             ("--lr", a.lr > 0, "> 0"), ("--clip", a.clip > 0, "> 0"), ("--beta", a.beta >= 0, ">= 0"),
             ("--ppo-epochs", a.ppo_epochs >= 1, ">= 1"), ("--mini-batches", a.mini_batches >= 1, ">= 1"),
             ("--micro-batch", a.micro_batch >= 1, ">= 1"), ("--grad-clip", a.grad_clip > 0, "> 0"),
-            ("--save-every", a.save_every >= 1, ">= 1")]:
-        if not ok:
-            p.error(f"{flag} must be {allowed} (got {getattr(a, flag[2:].replace('-', '_'))})")
-    if os.environ.get("RANK", "0") == "0":  # one rank decides; the others never write to --out
-        err = claim_run_dir(a.out, a.resume, a.overwrite)
-        if err:
-            p.error(err)
+            ("--save-every", a.save_every >= 1, ">= 1")])
+    claim_or_stop(p, a.out, a.resume, a.overwrite)
     del a.overwrite
     return train(**vars(a))
 

@@ -148,6 +148,22 @@ def claim_run_dir(out, resume, overwrite):
     return None
 
 
+def check_flags(parser, args, rules):
+    """Every stage checks its flags up front: rules are (flag, ok, allowed) triples, and the first that is not ok
+    stops the run with one line naming the flag, what it may be and what it got (parser.error)."""
+    for flag, ok, allowed in rules:
+        if not ok:
+            parser.error(f"{flag} must be {allowed} (got {getattr(args, flag[2:].replace('-', '_'))})")
+
+
+def claim_or_stop(parser, out, resume, overwrite):
+    """claim_run_dir on rank 0 (the others never write to `out`); a refusal stops the run with parser.error."""
+    if os.environ.get("RANK", "0") == "0":
+        err = claim_run_dir(out, resume, overwrite)
+        if err:
+            parser.error(err)
+
+
 def resolve_checkpoint(path):
     """A run folder (with `latest`) or a checkpoint folder or a hub id -> what from_pretrained loads."""
     latest = os.path.join(path, "latest")

@@ -40,10 +40,10 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
-from rollout import (LOGPROB_CHUNK, TINY_BASE, Scale, add_scale_args, all_reduce_sum, autocast, chatml_template,
-                     claim_run_dir, clip_grad, encode_conversation, load_model, load_optimizer_state, logprobs_chunked,
-                     open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint, set_thinking,
-                     setup_distributed, token_logprobs, unwrap)
+from rollout import (LOGPROB_CHUNK, Scale, TINY_BASE, add_scale_args, all_reduce_sum, autocast, chatml_template,
+                     check_flags, claim_or_stop, clip_grad, encode_conversation, load_model, load_optimizer_state,
+                     logprobs_chunked, open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint,
+                     set_thinking, setup_distributed, token_logprobs, unwrap)
 
 
 def main(argv=None):
@@ -86,7 +86,7 @@ def main(argv=None):
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
     add_scale_args(p)
     a = p.parse_args(argv)
-    for flag, ok, allowed in [  # checked up front: a bad value used to train quietly at loss 0, or crash late
+    check_flags(p, a, [  # checked up front: a bad value used to train quietly at loss 0, or crash late
             ("--steps", a.steps >= 1, ">= 1"), ("--batch-size", a.batch_size >= 1, ">= 1"),
             ("--grad-accum", a.grad_accum >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
             ("--eval-frac", 0 <= a.eval_frac < 1, "in [0, 1)"), ("--lr", a.lr > 0, "> 0"),
@@ -95,13 +95,8 @@ def main(argv=None):
             ("--save-every", a.save_every >= 1, ">= 1"), ("--vocab-size", a.vocab_size >= 1, ">= 1"),
             ("--d-model", a.d_model >= 1, ">= 1"), ("--n-layer", a.n_layer >= 1, ">= 1"),
             ("--n-head", a.n_head >= 1 and a.d_model % a.n_head == 0, ">= 1 and a divisor of --d-model"),
-            ("--copy-warmup", a.copy_warmup >= 0, ">= 0"), ("--copy-mix", a.copy_mix >= 0, ">= 0")]:
-        if not ok:
-            p.error(f"{flag} must be {allowed} (got {getattr(a, flag[2:].replace('-', '_'))})")
-    if os.environ.get("RANK", "0") == "0":  # one rank decides; the others never write to --out
-        err = claim_run_dir(a.out, a.resume, a.overwrite)
-        if err:
-            p.error(err)
+            ("--copy-warmup", a.copy_warmup >= 0, ">= 0"), ("--copy-mix", a.copy_mix >= 0, ">= 0")])
+    claim_or_stop(p, a.out, a.resume, a.overwrite)
     tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup) \
         if a.model == "tiny" or a.pretrain else None
     if a.pretrain:

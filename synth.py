@@ -37,8 +37,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import env
-from rollout import (ChatAgent, add_user_args, chat_backend, errored_reasons, make_user_factory, run_episodes,
-                     score_episode)
+from rollout import (ChatAgent, add_user_args, chat_backend, check_flags, errored_reasons, make_user_factory,
+                     run_episodes, score_episode)
 
 
 def main(argv=None):
@@ -68,13 +68,11 @@ def main(argv=None):
     g.add_argument("--db", default=None, help="with --mcp-server: the db.json to serve")
     g.add_argument("--max-episodes", type=int, default=16, help="with --mcp-server: episode dbs kept at once")
     args = p.parse_args(argv)
-    for flag, ok, allowed in [
+    check_flags(p, args, [
             ("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1"), ("--n-users", args.n_users >= 1, ">= 1"),
             ("--n-train", args.n_train >= 1, ">= 1"), ("--n-test", args.n_test >= 1, ">= 1"),
             ("--max-turns", args.max_turns >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
-            ("--max-episodes", args.max_episodes >= 1, ">= 1")]:
-        if not ok:
-            p.error(f"{flag} must be {allowed} (got {getattr(args, flag[2:].replace('-', '_'))})")
+            ("--max-episodes", args.max_episodes >= 1, ">= 1")])
     if args.mcp_server:
         if not args.db:
             p.error("--mcp-server needs --db PATH")
