@@ -71,6 +71,9 @@ def main(argv=None):
     g.add_argument("--max-turns", type=int, default=16, help="agent turns per episode (paper: 30)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
+    g.add_argument("--reward-basis", default="db", choices=["db", "task"],
+                   help="db: the database check alone (the paper's training reward); task: what evaluate.py scores "
+                        "(the database and the information the agent had to communicate)")
     g.add_argument("--drop-zero-spread", action="store_true", help="replace groups whose rewards are all equal")
     g.add_argument("--task-sampling", default="uniform", choices=["uniform", "spread"],
                    help="draw tasks uniformly, or by the reward variance p(1-p) of their kind's running success rate "
@@ -112,8 +115,8 @@ def main(argv=None):
 
 
 def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
-          group, temperature, max_turns, max_new_tokens, max_len, drop_zero_spread, task_sampling, user, user_model,
-          user_guidelines,
+          group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread, task_sampling, user,
+          user_model, user_guidelines,
           llm_concurrency, llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip,
           seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha):
     """The GRPO loop. -> (policy, tokenizer)."""
@@ -166,7 +169,8 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
                                   concurrency=llm_concurrency, deadline=llm_deadline)
     # on tau2's tasks the agent gets tau2's domain policy, as in evaluation (evaluate.py) and in tau2 itself
     episode_kw = dict(max_turns=max_turns, max_tokens=max_len, max_new_tokens=max_new_tokens,
-                      temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks))
+                      temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks),
+                      check_communicate=reward_basis == "task")
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(wandb, config) if rank == 0 else None
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")
