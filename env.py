@@ -928,11 +928,20 @@ ASKS_ID = re.compile(r"\b(e-?mail|zip|verify|authenticat|identif)", re.I)
 ASKS_YES = re.compile(r"\b(yes/no|confirm|proceed|shall i|should i|go ahead)\b", re.I)
 
 
+def cooperative_task(task):
+    """The same task played by a cooperative user: the script keeps only its final request (no change of mind)
+    and the user states its identity up front (script["up_front"]). The gold actions, hence the reward, are
+    the task's own: they already end in the final request. Idempotent."""
+    s = task["script"]
+    return {**task, "script": {**s, "phases": s["phases"][-1:], "up_front": True}}
+
+
 class ScriptedUser:
     """Plays a generated task from its script. It states its reason, gives identification only when asked
     (and never what the task says it does not know), says yes only to a confirmation that names what it
     wants, changes its mind where the script has a second phase, and ends with ###STOP###. Wording is
-    drawn from a seeded RNG so two trials of one task differ."""
+    drawn from a seeded RNG so two trials of one task differ. On a cooperative_task it says its identity with
+    its request in the first message, and its script has no second phase to change its mind to."""
 
     def __init__(self, task, seed=0, patience=4):
         if "script" not in task:
@@ -948,6 +957,10 @@ class ScriptedUser:
 
     def start(self):
         hi = self._pick(["Hi.", "Hello!", "Hey there.", "Hi, I need some help."])
+        if self.s.get("up_front"):  # everything at once: the agent never has to ask
+            self.identified = True
+            me = f"My email is {self.s['email']}." if self.s["email"] else self._identity("")
+            return f"{hi} {self._pick(self.s['phases'][0]['say'])} {me}"
         return f"{hi} {self._pick(self.s['phases'][0]['say'])}"
 
     def _identity(self, agent):

@@ -1190,8 +1190,9 @@ class ChatAgent:
 def add_user_args(p):
     """The user simulator's flags (and every endpoint's limits): the same group in synth.py, grpo.py, evaluate.py."""
     g = p.add_argument_group("user simulator")
-    g.add_argument("--user", default=None, help="None: the scripted user; a model path, 'smollm2', or an "
-                                                 "OpenAI-compatible URL (an LLM user)")
+    g.add_argument("--user", default=None, help="None: the scripted user (reveals its identity when asked, may "
+                   "change its mind); 'cooperative': the scripted user stating everything up front, never changing "
+                   "its mind; a model path, 'smollm2', or an OpenAI-compatible URL (an LLM user)")
     g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
     g.add_argument("--user-guidelines", default=None, help="the LLM user's guidelines file (default: tau2's, found "
                    "beside --tasks where there are any, else env.py's own short wording)")
@@ -1203,12 +1204,14 @@ def add_user_args(p):
 
 def make_user_factory(spec=None, model_name=None, guidelines=None, concurrency=64, deadline=300.0,
                       **llm_user_kw):
-    """make_user(task, seed) for run_episodes: env's scripted user (spec None) or an LLM user on
+    """make_user(task, seed) for run_episodes: env's scripted user (spec None, or "cooperative") or an LLM user on
     chat_backend(spec), prompted with the guidelines file `guidelines` (None: env's fallback wording).
     `concurrency`: requests in flight at an endpoint; `deadline`: seconds for one request, retries included,
     and (x4) for all of one user's waiting in an episode."""
     if not spec:
         return lambda task, seed: env.ScriptedUser(task, seed)
+    if spec == "cooperative":
+        return lambda task, seed: env.ScriptedUser(env.cooperative_task(task), seed)
     backend = chat_backend(spec, model_name, concurrency=concurrency, deadline=deadline)
     llm_user_kw.setdefault("deadline", 4 * deadline)
     text = env.load_guidelines(guidelines)

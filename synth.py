@@ -94,6 +94,8 @@ def main(argv=None):
     # whose write failed would score 1 and be kept as a success. Such tasks are not played.
     broken = {t["id"]: gold_failure(t, db) for t in tasks}
     playable = [t for t in tasks if not broken[t["id"]]]
+    if args.user == "cooperative":  # the oracle plays the task the cooperative user has in mind: its final request
+        playable = [env.cooperative_task(t) for t in playable]
     tools = env.TOOL_SCHEMAS
     if args.tools == "mcp" and playable:
         with MCPToolClient(shop) as c:

@@ -719,6 +719,30 @@ def test_confirmation_of_wrong_order_gets_no(shop, splits):
     assert n >= 10
 
 
+def test_cooperative_user_states_everything_and_keeps_its_mind(shop, splits):
+    """The cooperative user (grpo/synth --user cooperative) names its request and identity in its first message
+    and plays a switch task as its final request only; the dynamic user (the default) does neither."""
+    tasks = splits["train"][:40]
+    switch = [t for t in tasks if t["kind"] == "switch"]
+    assert switch
+    coop = [env.cooperative_task(t) for t in tasks]
+    assert env.cooperative_task(coop[0]) == coop[0]  # idempotent
+    for t, c in zip(tasks, coop):
+        assert c["evaluation_criteria"] == t["evaluation_criteria"] and len(c["script"]["phases"]) == 1
+        first = env.ScriptedUser(c, 3).start()
+        ident = t["script"]["email"] or t["script"]["zip"]
+        assert ident in first, first
+        assert ident not in env.ScriptedUser(t, 3).start()  # the dynamic user waits to be asked
+    # the oracle solves every cooperative task; on switch tasks with no change of mind, in fewer turns
+    eps, dyn = play(coop, shop), play(tasks, shop)
+    assert all(e.reward == 1.0 for e in eps)
+    assert not any("changed my mind" in " ".join(user_texts(e)) or "second thought" in " ".join(user_texts(e))
+                   for e in eps)
+    assert any("changed my mind" in " ".join(user_texts(e)) or "second thought" in " ".join(user_texts(e))
+               for e in dyn)  # the control: the dynamic user does change its mind
+    assert sum(e.turns for e in eps) < sum(e.turns for e in dyn)
+
+
 def test_info_communicate(shop, splits):
     tasks = by_kind(splits["train"])["info"][:PER_KIND] + by_kind(splits["test"])["info"][:PER_KIND]
     assert all(t["evaluation_criteria"]["communicate_info"] for t in tasks)

@@ -359,6 +359,23 @@ def test_grpo_cli_metrics_and_checkpoints(world):
 
 
 @pytest.mark.slow
+def test_reward_basis_task_scores_what_evaluation_scores(world, tmp_path):
+    """--reward-basis task adds the communicate check evaluate.py scores: on info tasks (nothing to write) the
+    3-step model, which never says the answer, earns 1 for every rollout from the database alone (its control,
+    --reward-basis db) and 0 once the answer must be said."""
+    info = [t for t in env.load_tasks(world.data / "train_tasks.jsonl") if t["kind"] == "info"]
+    assert info
+    env.save_tasks(info, tmp_path / "info.jsonl")
+    means = {}
+    for basis in ("db", "task"):
+        out = tmp_path / basis
+        run_py("grpo.py", "--model", world.sft, "--tasks", tmp_path / "info.jsonl", "--db", world.data / "shop.json",
+               "--out", out, *TINY_RL, "--steps", "1", "--reward-basis", basis)
+        means[basis] = read_jsonl(out / "metrics.jsonl")[0]["reward_mean"]
+    assert means == {"db": 1.0, "task": 0.0}
+
+
+@pytest.mark.slow
 def test_grpo_cli_resume(world):
     full = world.root / "grpo"  # the uninterrupted 2-step run of the test above, if it ran
     out = world.root / "grpo_resume"
