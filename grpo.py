@@ -17,8 +17,8 @@ policy trains (rollout.print_memory_plan: 68.5 GiB peak per GPU; the run checks 
 One step: sample B train tasks; play G rollouts of each (temperature 1.0) through rollout.run_episodes with
 the user in the loop; reward each with env.compute_reward (--reward-basis db: the database check, the paper's;
 task: also the information the agent had to say, as evaluate.py scores); advantage = (r - group mean) / (group
-std + eps); PPO-clipped policy loss against the log-probs frozen at rollout time, summed over the policy's own tokens and
-divided by their number in the whole global batch; optional k3 KL to a frozen reference (beta 0: no
+std + eps); PPO-clipped policy loss against the log-probs frozen at rollout time, summed over the policy's own
+tokens and divided by their number in the whole global batch; optional k3 KL to a frozen reference (beta 0: no
 reference model is loaded). Groups whose rewards are all equal carry no gradient: they are counted, logged,
 and (--drop-zero-spread) replaced by fresh groups; a step in which every group is so skips the update.
 
