@@ -1178,7 +1178,7 @@ def ask_judge(backend, prompts, accept, max_new_tokens=1024, tries=3):
         left = []
         for i, reply in zip(todo, replies):
             out[i] = reply if isinstance(reply, Exception) else _json_answer(reply, accept)
-            if isinstance(out[i], ValueError):
+            if isinstance(out[i], NoJudgeAnswer):
                 left.append(i)
         todo = left
         if not todo:
@@ -1186,8 +1186,12 @@ def ask_judge(backend, prompts, accept, max_new_tokens=1024, tries=3):
     return out
 
 
+class NoJudgeAnswer(ValueError):
+    """The judge replied, but with no JSON object its caller accepts."""
+
+
 def _json_answer(text, accept):
-    """The first JSON object in text for which accept(obj) holds, else a ValueError quoting the reply."""
+    """The first JSON object in text for which accept(obj) holds, else NoJudgeAnswer quoting the reply."""
     body, decoder = text.rsplit("</think>", 1)[-1], json.JSONDecoder()
     for k, c in enumerate(body):
         if c == "{":
@@ -1197,7 +1201,7 @@ def _json_answer(text, accept):
                 continue
             if isinstance(obj, dict) and accept(obj):
                 return obj
-    return ValueError(f"no valid JSON answer in the judge's reply: {text[:200]!r}")
+    return NoJudgeAnswer(f"no valid JSON answer in the judge's reply: {text[:200]!r}")
 
 
 class ChatAgent:

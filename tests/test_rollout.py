@@ -1422,3 +1422,24 @@ def test_chat_agent_failure_and_deadline_error_the_episode(tasks, db):
     assert ep.errored and ep.end_reason == "agent_error" and "out of time" in ep.error
     # 0.05 s or more a turn: the second or third crossed 0.12 s (a loaded machine sleeps longer), none after it
     assert slow.calls in (2, 3) and ep.turns == slow.calls
+
+
+def test_ask_judge_reads_one_json_answer_and_asks_again_without_one():
+    """The first accepted JSON object after any <think> block is the answer; a reply without one is asked again
+    (sampled), up to `tries`; a failed request is final; nothing in the reply is eval'ed."""
+    class Scripted:
+        def __init__(self, replies):
+            self.replies, self.asked = replies, []
+
+        def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+            self.asked.append((len(batch), temperature))
+            return [self.replies[b[0]["content"]].pop(0) for b in batch]
+
+    accept = lambda o: o.get("verdict") in ("pass", "fail")
+    be = Scripted({"a": ['<think>{"verdict": "fail"}</think> {"note": 1} then {"verdict": "pass", "reason": "ok"}'],
+                   "b": ["__import__('os').system('false')", '{"verdict": "fail", "reason": "x"}'],
+                   "c": ["no", "still no", "never"], "d": [ValueError("HTTP 500")]})
+    out = rollout.ask_judge(be, [[{"role": "user", "content": k}] for k in "abcd"], accept, tries=3)
+    assert out[0] == {"verdict": "pass", "reason": "ok"} and out[1] == {"verdict": "fail", "reason": "x"}
+    assert isinstance(out[2], ValueError) and "never" in str(out[2]) and str(out[3]) == "HTTP 500"
+    assert be.asked == [(4, 0.0), (2, 0.7), (1, 0.7)]  # only the unanswered ones again, sampled

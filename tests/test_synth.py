@@ -776,3 +776,65 @@ def test_failing_tool_simulator_is_named_as_the_cause(made, tmp_path, server, mo
     assert "no conversation was kept" in code
     assert "dropped 4: tool simulator failed (InternalServerError from http://N.N.N.N:N/v1: HTTP N" in out, out
     assert "wrong database" not in out and "0 agreed with the real tool, 0 disagreed, 4 failed" in out, out
+
+
+class FakeJudge(util.FakeOpenAIServer):
+    """An OpenAI-compatible judge: reply(prompt) gives its text, or an int (that HTTP status). Keeps prompts."""
+
+    def __init__(self, reply):
+        self.reply, self.prompts = reply, []
+        super().__init__()
+
+    def answer(self, path, body):
+        self.prompts.append(body["messages"][0]["content"])
+        r = self.reply(self.prompts[-1])
+        if isinstance(r, int):
+            return r, {"error": "judge down"}
+        return 200, {"choices": [{"message": {"role": "assistant", "content": r}}]}
+
+
+PASS = '<think>{"verdict": "fail"} is tempting</think>Sure. {"verdict": "pass", "reason": "followed the policy"}'
+
+
+@pytest.mark.parametrize("case", ["accept", "reject_one", "fail", "no_verdict"])
+def test_judge_is_a_second_verifier(made, tmp_path, monkeypatch, capsys, case):
+    """Kept: what passes the database check and the judge, its verdict stored beside it. Rejected, failed (after
+    retries) and never-answered judgements are dropped, each with its reason; nothing is kept unjudged."""
+    import functools
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", functools.partial(rollout.OpenAIChatBackend, backoff=0.001))
+    data = copy_of(made, tmp_path)
+    tasks = env.load_tasks(data / "train_tasks.jsonl")[:4]
+    target = tasks[1]["script"]["user_id"]  # "reject_one" rejects the conversation with this user
+    reply = {"accept": lambda p: PASS, "fail": lambda p: 500, "no_verdict": lambda p: "I think it is fine.",
+             "reject_one": lambda p: ('{"verdict": "FAIL", "reason": "no confirmation"}' if target in p else PASS)}
+    srv = FakeJudge(reply[case])
+    try:
+        code, out = synth_run(capsys, data_dir=data, n_tasks=4, judge=srv.url, judge_model="fake-judge",
+                              out=tmp_path / "judged.jsonl")
+    finally:
+        srv.close()
+    rows = read_jsonl(tmp_path / "judged.jsonl") if code is None else []
+    if case == "accept":
+        assert "tried 4, kept 4" in out and len(srv.prompts) == 4
+        assert all(r["judge"] == {"verdict": "pass", "reason": "followed the policy"} for r in rows)
+        # the judge sees the domain policy, the user's request and the whole conversation with its tool calls
+        p = next(p for p in srv.prompts if tasks[0]["script"]["user_id"] in p)
+        assert rollout.SYSTEM_PROMPT[:60] in p and tasks[0]["user_scenario"]["instructions"]["reason_for_call"] in p
+        assert "[calls find_user_id_by_" in p and "\ntool: " in p and "\nuser: " in p
+    elif case == "reject_one":
+        assert "tried 4, kept 3" in out and "dropped 1: judge rejected" in out, out
+        assert sorted(r["task_id"] for r in rows) == sorted(t["id"] for t in tasks if t is not tasks[1])
+    else:
+        assert code and "no conversation was kept" in code and not (tmp_path / "judged.jsonl").exists()
+        why = "HTTP N" if case == "fail" else "no valid JSON answer in the judge's reply"
+        assert f"dropped 4: judge failed (" in out and why in out, out
+        assert len(srv.prompts) == (4 * 5 if case == "fail" else 4 * 3)  # the backend's retries; ask_judge's tries
+
+
+def test_judge_is_not_asked_about_what_the_database_check_dropped(made, tmp_path, capsys):
+    srv = FakeJudge(lambda p: PASS)
+    try:
+        code, out = synth_run(capsys, data_dir=copy_of(made, tmp_path), n_tasks=2, max_turns=1, judge=srv.url)
+    finally:
+        srv.close()
+    assert code and "dropped 2: wrong database" in out and srv.prompts == []
