@@ -946,6 +946,13 @@ def first_errored_reason(eps):
     return next((short_reason(e.error or e.end_reason) for e in eps if e.errored), "")
 
 
+def all_errored(eps):
+    """'' unless every one of eps errored; then one line: how many, and why the first did."""
+    n = sum(e.errored for e in eps)
+    return f"every episode errored ({n} of {len(eps)}), the first because {first_errored_reason(eps)}" if (
+        eps and n == len(eps)) else ""
+
+
 def errored_summary(eps):
     """'' when no episode errored, else one line: how many and why, most common reason first."""
     why = errored_reasons(eps)

@@ -37,7 +37,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import env
-from rollout import (ChatAgent, add_user_args, ask_judge, chat_backend, check_flags, first_errored_reason,
+from rollout import (ChatAgent, add_user_args, all_errored, ask_judge, chat_backend, check_flags,
                      make_user_factory, run_episodes, score_episode, short_reason)
 
 
@@ -145,10 +145,8 @@ def main(argv=None):
     if died:
         sys.exit(f"synth.py: {died}; " + (f"the {len(kept)} conversations kept before it were written to {out}"
                                           if kept else f"nothing was kept before it; {out} left as it was"))
-    n_errored = sum(e.errored for e in eps)
-    if eps and n_errored == len(eps):
-        sys.exit(f"synth.py: every episode errored ({n_errored} of {len(eps)}), the first because "
-                 f"{first_errored_reason(eps)}; {out} left as it was")
+    if all_errored(eps):
+        sys.exit(f"synth.py: {all_errored(eps)}; {out} left as it was")
     if not kept:
         sys.exit(f"synth.py: no conversation was kept (reasons above); {out} left as it was")
 

@@ -154,10 +154,16 @@ def test_evaluate_failing_user_endpoint_mixed(world, tmp_path, fake_server, monk
 
 
 def test_evaluate_failing_user_endpoint_all(world, tmp_path, fake_server, monkeypatch, capsys):
-    """An endpoint that always answers 500: every episode errored, none scored, and evaluate still reports."""
+    """An endpoint that always answers 500: every episode errored, none scored; evaluate reports and exits
+    non-zero, in one line with the counts and the first reason (the mixed run above exits 0)."""
     fast_backoff(monkeypatch)
     srv = fake_server(lambda body: (500, "boom"))
-    res = run_main(evaluate, **tau2_args(world, tmp_path, user=srv.url))
+    with pytest.raises(SystemExit) as e:
+        run_main(evaluate, **tau2_args(world, tmp_path, user=srv.url))
+    msg = str(e.value.code)
+    assert msg.startswith("evaluate.py: every episode errored (4 of 4), the first because user simulator failed")
+    assert "InternalServerError" in msg and "\n" not in msg
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())
     rows = read_jsonl(tmp_path / "eval" / "sft.jsonl")
     assert len(rows) == 4 and all(x["errored"] and x["end_reason"] == "user_error" for x in rows)
     assert all(x["reward"] == 0.0 and x["reward_info"] == {} for x in rows)  # not scored
