@@ -551,3 +551,13 @@ def test_demo_path_from_the_committed_base(tmp_path):
         eps = read_jsonl(out / "eval" / f"{name}.jsonl")
         return sum(e["tool_calls"] - e["tool_errors"] for e in eps) / len(eps)
     assert valid_calls("base") == 0.0 and valid_calls("sft") >= 1.5
+
+
+def test_llm_concurrency_reaches_every_endpoint(world, tmp_path, monkeypatch):
+    """--llm-concurrency is handed to the user's endpoint and to an endpoint playing the agent."""
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    with pytest.raises(SystemExit, match="every episode errored"):
+        run_main(evaluate, data_dir=world.data, n_tasks=2, k=1, max_turns=3, out=tmp_path / "eval",
+                 user="http://user/v1", llm_concurrency=5, models="agent=http://agent/v1")
+    assert sorted(dead.made) == [("http://agent/v1", 5), ("http://user/v1", 5)]

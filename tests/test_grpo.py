@@ -968,3 +968,10 @@ def test_resume_restores_the_task_sampling_tally(world, tmp_path, monkeypatch):
     run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=3, task_sampling="spread", resume=True))
     assert len(set(straight[0])) == 1 and len(set(straight[1])) > 1  # uniform before any tally, uneven after
     assert cut == straight
+
+
+def test_llm_concurrency_reaches_the_user_endpoint(world, tmp_path, monkeypatch):
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, user="http://user/v1", llm_concurrency=5))
+    assert dead.made == [("http://user/v1", 5)]

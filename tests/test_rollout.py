@@ -1443,3 +1443,18 @@ def test_ask_judge_reads_one_json_answer_and_asks_again_without_one():
     assert out[0] == {"verdict": "pass", "reason": "ok"} and out[1] == {"verdict": "fail", "reason": "x"}
     assert isinstance(out[2], ValueError) and "never" in str(out[2]) and str(out[3]) == "HTTP 500"
     assert be.asked == [(4, 0.0), (2, 0.7), (1, 0.7)]  # only the unanswered ones again, sampled
+
+
+def test_chat_backend_keeps_its_concurrency_limit():
+    """chat_backend hands --llm-concurrency on, and the backend keeps it: 9 slow requests at a limit of 3 are at
+    most 3 at the server at once, and 3 do get there together (a backend that serialised them would pass the
+    first check alone). Fast: 3 rounds of 0.3 s."""
+    from rollout import chat_backend
+    srv = LoadServer(0.3)
+    try:
+        be = chat_backend(srv.url, "m", concurrency=3, deadline=30.0)
+        replies = be.chat([[{"role": "user", "content": f"conversation {i}"}] for i in range(9)], 8)
+    finally:
+        srv.close()
+    assert replies == ["Thanks, that's all. ###STOP###"] * 9
+    assert srv.peak == be.peak_in_flight == 3

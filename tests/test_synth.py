@@ -838,3 +838,13 @@ def test_judge_is_not_asked_about_what_the_database_check_dropped(made, tmp_path
     finally:
         srv.close()
     assert code and "dropped 2: wrong database" in out and srv.prompts == []
+
+
+def test_llm_concurrency_reaches_every_endpoint(made, tmp_path, monkeypatch, capsys):
+    """--llm-concurrency is handed to every endpoint synth.py builds: the tool simulator, the user, the judge."""
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    code, out = synth_run(capsys, data_dir=copy_of(made, tmp_path), n_tasks=2, tools="llm", tool_llm="http://tool/v1",
+                          user="http://user/v1", judge="http://judge/v1", llm_concurrency=5)
+    assert "every episode errored (2 of 2)" in code
+    assert sorted(dead.made) == [("http://judge/v1", 5), ("http://tool/v1", 5), ("http://user/v1", 5)]
