@@ -1,6 +1,7 @@
 """
 synth.py: cold-start data (MUA-RL's first stage). Plays the train tasks with an agent and a simulated user and
-keeps only the conversations whose final database is right (reward 1), as OpenAI-format JSONL for sft.py.
+keeps only the conversations that pass its checks (the final database is right, simulated tools agree with the
+real ones, an optional LLM judge), as OpenAI-format JSONL for sft.py.
 
     python synth.py                                   # oracle agent, scripted user, real tool execution
     python synth.py --tools mcp                       # tool results from a real MCP server (subprocess, stdio)
@@ -8,9 +9,11 @@ keeps only the conversations whose final database is right (reward 1), as OpenAI
     python synth.py --agent http://localhost:8000/v1 --agent-model Qwen/Qwen3-8B   # a teacher LLM plays the agent
     python synth.py --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B     # an LLM plays the user
     python synth.py --mcp-server --db data/shop.json  # only serve env.py's tools over MCP (stdio)
+    python synth.py --judge http://localhost:8002/v1 --judge-model deepseek-ai/DeepSeek-R1   # an LLM judge too
 
 Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (the generated shop and its splits,
-once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}.
+once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}, and with
+--judge "judge": its verdict and reason.
 
 What is simplified, and why:
 1. The demo's shop is generated here (12 products, 60 users), in tau2's retail schema, so everything runs
@@ -19,7 +22,11 @@ What is simplified, and why:
    teacher LLM (--agent URL) is the paper's route and works on any task.
 3. Tool results come from real execution (default), a real MCP server over stdio (--tools mcp), or an LLM
    that simulates the tool (--tools llm): the paper's three pipelines. In every case the real tool also runs
-   on the episode's own db, so only trajectories the reward verifies are kept.
+   on the episode's own db, so only trajectories the reward verifies are kept; with --tools llm every simulated
+   result must also agree with the real tool's on the same call (the rule is above LLMToolSimulator).
+4. The paper's dual verification is human annotation plus an LLM judge; here the second verifier is an
+   optional LLM judge (--judge URL --judge-model NAME), asked about the conversations that passed every other
+   check. Every dropped conversation is counted under the check it failed first (drop_reason).
 """
 import argparse
 import asyncio
