@@ -561,3 +561,16 @@ def test_llm_concurrency_reaches_every_endpoint(world, tmp_path, monkeypatch):
         run_main(evaluate, data_dir=world.data, n_tasks=2, k=1, max_turns=3, out=tmp_path / "eval",
                  user="http://user/v1", llm_concurrency=5, models="agent=http://agent/v1")
     assert sorted(dead.made) == [("http://agent/v1", 5), ("http://user/v1", 5)]
+
+
+@needs_bfcl
+def test_bfcl_run_whose_every_endpoint_failed_exits_nonzero(tmp_path, monkeypatch):
+    """Each entry is scored 0, as BFCL does, but a run that measured nothing says so and exits non-zero."""
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--bench", "bfcl", "--models", "remote=http://agent/v1", "--categories", "base", "--n", "2",
+                       "--out", str(tmp_path)])
+    assert str(e.value.code).startswith("evaluate.py: every entry's agent endpoint failed (2 of 2), the first "
+                                        "because dead endpoint;"), e.value.code
+    assert [r["agent_error"] for r in util.read_jsonl(tmp_path / "remote.jsonl")] == ["dead endpoint"] * 2
