@@ -296,7 +296,7 @@ def test_llm_tool_simulator_runs_the_real_tool(db):
         "Error: the simulated cancel_pending_order returned malformed output (not JSON).", True)
     assert d["orders"][oid]["status"] == "cancelled"  # the real call ran anyway
     p = stub.prompts[0]
-    # the memory holds the order's record (read after the real call ran, so here already cancelled) and the call
+    # the memory holds the order's record (as it was before the call: what a simulator must answer from) and the call
     assert f'{{"order_id": "{oid}", "user_id": "{db["orders"][oid]["user_id"]}"' in p
     assert json.dumps({"name": "cancel_pending_order", "arguments": args}) in p
     good = json.dumps({"order_id": oid, "status": "cancelled"})
