@@ -30,12 +30,14 @@ import re
 import tempfile
 from collections import defaultdict
 from math import comb
+from types import SimpleNamespace
 
 import torch
 
 import env
-from rollout import (ChatAgent, TINY_BASE, add_user_args, agent_system_prompt, check_flags, errored_reasons,
-                     errored_summary, load_agent, make_user_factory, require_vllm, run_episodes)
+from rollout import (ChatAgent, TINY_BASE, add_user_args, agent_system_prompt, all_errored, check_flags,
+                     errored_reasons, errored_summary, load_agent, make_user_factory, require_vllm, run_episodes,
+                     short_reason)
 
 
 def pass_hat_k(outcomes, k):
@@ -214,7 +216,7 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(out, exist_ok=True)
     ks = list(range(1, k + 1))
-    results = {}
+    results, every = {}, []  # every: each model's episodes, lightened: a run that scored nothing must not exit 0
     for name, path in parse_models(models).items():
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
                                     thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
@@ -234,8 +236,11 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
               f"(solved in at least one of {k} trials), {a['errored']} errored episodes", flush=True)
         if a["errored"]:
             print(f"  {name}: {errored_summary(eps)}", flush=True)
+        every += [SimpleNamespace(errored=e.errored, error=e.error, end_reason=e.end_reason) for e in eps]
         del gen
     write_results(out, results, markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1]))
+    if all_errored(every):
+        raise SystemExit(f"evaluate.py: {all_errored(every)}; nothing was scored (transcripts in {out})")
     return results
 
 
@@ -478,7 +483,7 @@ def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature,
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(out, exist_ok=True)
-    results = {}
+    results, failed = {}, []  # failed: each entry's endpoint error, or None
     for name, path in parse_models(models).items():
         run_name = "mua_" + re.sub(r"\W", "_", name)  # bfcl-eval keys instances by it: no spaces, no '@'
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
@@ -496,8 +501,12 @@ def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature,
         results[name] = bfcl_summary(eps, rows, categories)
         print(f"{name}: {sum(r['valid'] for r in rows)} of {len(rows)} entries passed, "
               f"{sum(e is not None for e in errors)} endpoint errors", flush=True)
+        failed += errors
         del gen
     write_results(out, results, bfcl_markdown(results, categories))
+    if failed and all(e is not None for e in failed):  # scored 0 as BFCL does, but nothing was measured
+        raise SystemExit(f"evaluate.py: every entry's agent endpoint failed ({len(failed)} of {len(failed)}), the "
+                         f"first because {short_reason(failed[0])}; nothing was measured (transcripts in {out})")
     return results
 
 

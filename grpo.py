@@ -80,6 +80,8 @@ def main(argv=None):
                    help="draw tasks uniformly, or by the reward variance p(1-p) of their kind's running success rate "
                         "(tasks every rollout solves, or none does, carry no gradient)")
     add_user_args(p)
+    g.add_argument("--max-errored-steps", type=int, default=3, help="stop (non-zero exit) after this many "
+                   "consecutive steps in which every episode errored, e.g. a dead user endpoint (0: never stop)")
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=30, help="GRPO steps")
     g.add_argument("--lr", type=float, default=5e-5, help="tiny model (2e-4 broke it); the paper: 1e-6 on 8B")
@@ -109,7 +111,7 @@ def main(argv=None):
             ("--lr", a.lr > 0, "> 0"), ("--clip", a.clip > 0, "> 0"), ("--beta", a.beta >= 0, ">= 0"),
             ("--ppo-epochs", a.ppo_epochs >= 1, ">= 1"), ("--mini-batches", a.mini_batches >= 1, ">= 1"),
             ("--micro-batch", a.micro_batch >= 1, ">= 1"), ("--grad-clip", a.grad_clip > 0, "> 0"),
-            ("--save-every", a.save_every >= 1, ">= 1")])
+            ("--save-every", a.save_every >= 1, ">= 1"), ("--max-errored-steps", a.max_errored_steps >= 0, ">= 0")])
     claim_or_stop(p, a.out, a.resume, a.overwrite)
     del a.overwrite
     return train(**vars(a))
@@ -117,7 +119,7 @@ def main(argv=None):
 
 def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
           group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread, task_sampling, user,
-          user_model, user_guidelines,
+          user_model, user_guidelines, max_errored_steps,
           llm_concurrency, llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip,
           seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha):
     """The GRPO loop. -> (policy, tokenizer)."""
@@ -176,6 +178,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
     wb = _wandb(wandb, config) if rank == 0 else None
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")
     errored = collections.Counter()  # why episodes errored over the run (this rank's; counts are global per step)
+    dead = 0  # consecutive steps in which every episode errored: nothing to learn from, and likely no end to it
     update_kw = dict(ppo_epochs=ppo_epochs, mini_batches=mini_batches, micro_batch=micro_batch, clip=clip,
                      beta=beta, grad_clip=grad_clip, temperature=temperature, seed=seed)
     for step in bar:
@@ -193,6 +196,12 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
             log.flush()
             if wb:
                 wb.log(rec)
+        dead = dead + 1 if rec["errored"] == rec["episodes"] > 0 else 0  # global counts: every rank agrees
+        if max_errored_steps and dead >= max_errored_steps:
+            raise SystemExit(f"grpo.py: every episode errored in {dead} consecutive steps ({step + 2 - dead}-{step + 1}"
+                             f"; {rec['errored']} of {rec['episodes']} in the last), the first because "
+                             f"{next(iter(rec.get('errored_reasons', {})), 'unknown')}; stopped (--max-errored-steps "
+                             f"{max_errored_steps}), the weights as at the last checkpoint")
         if (step + 1) % save_every == 0 or step + 1 == steps:  # every rank: FSDP gathers the weights first
             save_checkpoint(out, step + 1, policy, tok, opt, extra={"tally": tally})
     if rank == 0:
@@ -214,7 +223,7 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, w
     rollouts] per task key (task_key; `keys` as in train), which train() pops into its running tally."""
     # 1. rollouts with the user in the loop, rewarded by the database check
     t0 = time.time()
-    eps, zero, played = collect(gen, tok, tasks, db, make_user, step=step, rank=rank, world=world, seed=seed,
+    eps, zero, played, dropped = collect(gen, tok, tasks, db, make_user, step=step, rank=rank, world=world, seed=seed,
                                 batch_tasks=batch_tasks, group=group, drop_zero_spread=drop_zero_spread,
                                 episode_kw=episode_kw, weights=weights)
     t1 = time.time()
@@ -231,7 +240,7 @@ def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, w
             gen.load_weights(unwrap(policy))  # wakes it, pushes bf16 weights
     else:
         stats = {"update_skipped": 1}
-    return {**step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1),
+    return {**step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1, dropped=dropped),
             "tally": tally_rewards(eps, tasks, keys or sorted({task_key(t) for t in tasks})).tolist()}
 
 
@@ -250,10 +259,11 @@ def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_ta
             episode_kw, weights=None):
     """Play G rollouts of this rank's share of B tasks (drawn uniformly, or by `weights`); with drop_zero_spread,
     groups whose rewards are all equal are replaced by fresh tasks (up to 3 extra rounds). `episode_kw` goes to
-    run_episodes. -> (kept episodes in group order, zero-spread groups, groups played)."""
+    run_episodes. -> (kept episodes in group order, zero-spread groups, groups played, episodes of the groups
+    dropped: counted in the step's metrics, so that a step whose every episode errored says so)."""
     rng = random.Random(seed * 1000003 + step * world + rank)
     want = max(1, batch_tasks // world)
-    kept, zero, played, rounds = [], 0, 0, 0
+    kept, dropped, zero, played, rounds = [], [], 0, 0, 0
     while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
         n = want - len(kept) // group
         batch = [rng.choice(tasks) for _ in range(n)] if weights is None else rng.choices(tasks, weights, k=n)
@@ -266,10 +276,11 @@ def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_ta
             if len(set(rs)) <= 1:
                 zero += 1
                 if drop_zero_spread:
+                    dropped += grp
                     continue
             kept += grp
         rounds += 1
-    return kept, zero, played
+    return kept, zero, played, dropped
 
 
 def task_key(task):
@@ -392,17 +403,19 @@ def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch,
 # logging
 
 
-def step_metrics(step, eps, zero, played, stats, rollout_s, update_s):
-    """One JSONL line; episode sums are all-reduced so every rank logs the global numbers."""
+def step_metrics(step, eps, zero, played, stats, rollout_s, update_s, dropped=()):
+    """One JSONL line; episode sums are all-reduced so every rank logs the global numbers. `eps`: the kept
+    episodes; `dropped`: those of groups collect() dropped, counted in "episodes" and "errored" only."""
     ok = [e for e in eps if not e.errored]
     t = all_reduce_sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(eps) - len(ok), zero, played,
                                      sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
-                                     sum(e.tool_errors for e in eps), sum(sum(e.loss_mask) for e in eps)],
-                                    dtype=torch.float64)).tolist()
+                                     sum(e.tool_errors for e in eps), sum(sum(e.loss_mask) for e in eps),
+                                     len(dropped), sum(e.errored for e in dropped)], dtype=torch.float64)).tolist()
     n = max(1.0, t[1] + t[2])
-    why = errored_reasons(eps)
+    why = errored_reasons(list(eps) + list(dropped))
     # reward_mean is None (null) when every episode errored: 0.0 would read as a policy that solved nothing
-    return {"step": step + 1, "reward_mean": t[0] / t[1] if t[1] else None, "errored": int(t[2]),
+    return {"step": step + 1, "reward_mean": t[0] / t[1] if t[1] else None, "errored": int(t[2] + t[10]),
+            "episodes": int(t[1] + t[2] + t[9]),
             **({"errored_reasons": dict(why)} if why else {}),
             "zero_spread_frac": t[3] / max(1.0, t[4]),
             "turns": t[5] / n, "tool_calls": t[6] / n, "tool_errors": t[7] / n, "tokens_generated": int(t[8]),

@@ -928,12 +928,29 @@ def _check_users(eps, users, idx):
             eps[i].error = str(users[i].error or "")
 
 
+def short_reason(text):
+    """An error message as a summary's key: numbers blanked (so that "after 3 attempt(s)" or a port number does
+    not split one cause into many), at most 160 characters."""
+    return re.sub(r"(?<![A-Za-z])\d+", "N", str(text))[:160]
+
+
 def errored_reasons(eps):
-    """Counter of why episodes errored, for run summaries: each one's error message (numbers blanked, so that
-    "after 3 attempt(s)" or a port number does not split one cause into many), or its end reason."""
-    why = (re.sub(r"(?<![A-Za-z])\d+", "N", e.error)[:160] if e.error else (e.end_reason or "unknown")
-           for e in eps if e.errored)
-    return collections.Counter(why)
+    """Counter of why episodes errored, for run summaries: each one's error message (short_reason), or its end
+    reason."""
+    return collections.Counter(short_reason(e.error) if e.error else (e.end_reason or "unknown")
+                               for e in eps if e.errored)
+
+
+def first_errored_reason(eps):
+    """short_reason of the first errored episode, in order ('' when none errored): the one-line stop messages'."""
+    return next((short_reason(e.error or e.end_reason) for e in eps if e.errored), "")
+
+
+def all_errored(eps):
+    """'' unless every one of eps errored; then one line: how many, and why the first did."""
+    n = sum(e.errored for e in eps)
+    return f"every episode errored ({n} of {len(eps)}), the first because {first_errored_reason(eps)}" if (
+        eps and n == len(eps)) else ""
 
 
 def errored_summary(eps):
@@ -1151,6 +1168,47 @@ def chat_backend(spec, model_name=None, concurrency=64, deadline=300.0):
     if spec == "smollm2":
         spec = load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
     return HFChatBackend.from_pretrained(spec)
+
+
+def ask_judge(backend, prompts, accept, max_new_tokens=1024, tries=3):
+    """An LLM judge's answers: one JSON object per prompt (a message list), or the exception that ended it. The
+    reply's first JSON object for which accept(obj) holds is its answer (text around it and a <think> block are
+    skipped; nothing is ever eval'ed). A reply without one is asked again, up to `tries` times in all, sampled
+    (temperature 0.7, a new seed: greedy decoding would repeat itself); a request the backend failed (after its
+    own retries, within its deadline) is final."""
+    out, todo = [None] * len(prompts), list(range(len(prompts)))
+    for attempt in range(tries):
+        try:
+            replies = backend.chat([prompts[i] for i in todo], max_new_tokens, 0.7 if attempt else 0.0, seed=attempt)
+        except Exception as e:  # a local backend may raise for the whole batch
+            replies = [e] * len(todo)
+        left = []
+        for i, reply in zip(todo, replies):
+            out[i] = reply if isinstance(reply, Exception) else _json_answer(reply, accept)
+            if isinstance(out[i], NoJudgeAnswer):
+                left.append(i)
+        todo = left
+        if not todo:
+            break
+    return out
+
+
+class NoJudgeAnswer(ValueError):
+    """The judge replied, but with no JSON object its caller accepts."""
+
+
+def _json_answer(text, accept):
+    """The first JSON object in text for which accept(obj) holds, else NoJudgeAnswer quoting the reply."""
+    body, decoder = text.rsplit("</think>", 1)[-1], json.JSONDecoder()
+    for k, c in enumerate(body):
+        if c == "{":
+            try:
+                obj = decoder.raw_decode(body, k)[0]
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(obj, dict) and accept(obj):
+                return obj
+    return NoJudgeAnswer(f"no valid JSON answer in the judge's reply: {text[:200]!r}")
 
 
 class ChatAgent:

@@ -1,6 +1,7 @@
 """
 synth.py: cold-start data (MUA-RL's first stage). Plays the train tasks with an agent and a simulated user and
-keeps only the conversations whose final database is right (reward 1), as OpenAI-format JSONL for sft.py.
+keeps only the conversations that pass its checks (the final database is right, simulated tools agree with the
+real ones, an optional LLM judge), as OpenAI-format JSONL for sft.py.
 
     python synth.py                                   # oracle agent, scripted user, real tool execution
     python synth.py --tools mcp                       # tool results from a real MCP server (subprocess, stdio)
@@ -8,9 +9,11 @@ keeps only the conversations whose final database is right (reward 1), as OpenAI
     python synth.py --agent http://localhost:8000/v1 --agent-model Qwen/Qwen3-8B   # a teacher LLM plays the agent
     python synth.py --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B     # an LLM plays the user
     python synth.py --mcp-server --db data/shop.json  # only serve env.py's tools over MCP (stdio)
+    python synth.py --judge http://localhost:8002/v1 --judge-model deepseek-ai/DeepSeek-R1   # an LLM judge too
 
 Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (the generated shop and its splits,
-once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}.
+once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}, and with
+--judge "judge": its verdict and reason.
 
 What is simplified, and why:
 1. The demo's shop is generated here (12 products, 60 users), in tau2's retail schema, so everything runs
@@ -19,7 +22,11 @@ What is simplified, and why:
    teacher LLM (--agent URL) is the paper's route and works on any task.
 3. Tool results come from real execution (default), a real MCP server over stdio (--tools mcp), or an LLM
    that simulates the tool (--tools llm): the paper's three pipelines. In every case the real tool also runs
-   on the episode's own db, so only trajectories the reward verifies are kept.
+   on the episode's own db, so only trajectories the reward verifies are kept; with --tools llm every simulated
+   result must also agree with the real tool's on the same call (the rule is above LLMToolSimulator).
+4. The paper's dual verification is human annotation plus an LLM judge; here the second verifier is an
+   optional LLM judge (--judge URL --judge-model NAME), asked about the conversations that passed every other
+   check. Every dropped conversation is counted under the check it failed first (drop_reason).
 """
 import argparse
 import asyncio
@@ -37,8 +44,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import env
-from rollout import (ChatAgent, add_user_args, chat_backend, check_flags, errored_reasons, make_user_factory,
-                     run_episodes, score_episode)
+from rollout import (ChatAgent, add_user_args, all_errored, ask_judge, chat_backend, check_flags,
+                     make_user_factory, run_episodes, score_episode, short_reason)
 
 
 def main(argv=None):
@@ -59,6 +66,10 @@ def main(argv=None):
     g.add_argument("--tool-llm", default=None, help="with --tools llm: a model path or an OpenAI-compatible URL")
     g.add_argument("--tool-model", default=None, help="model name at the --tool-llm endpoint")
     add_user_args(p)
+    g = p.add_argument_group("verification (a conversation is kept only if it passes every check)")
+    g.add_argument("--judge", default=None, help="an LLM judge (an OpenAI-compatible URL or a model path): keep "
+                   "only conversations it finds follow the domain policy and serve the user's request")
+    g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")
     g = p.add_argument_group("rollout")
     g.add_argument("--max-turns", type=int, default=30, help="agent turns per episode")
     g.add_argument("--chunk", type=int, default=64, help="episodes played together")
@@ -117,31 +128,122 @@ def main(argv=None):
                          mcp_db=shop if args.tools == "mcp" else None)
     except MCPServerDied as e:  # keep what was finished before the server went away
         died, eps = e, e.episodes
-    kept = [e for e in eps if e.reward == 1.0 and not e.errored]
+    checks = call_tool.checks if args.tools == "llm" else {}
+    why = {id(e): drop_reason(e, checks.get(id(e.db), [])) for e in eps}
+    verdicts = {}
+    if args.judge:  # the second verifier, asked only about the conversations that passed every other check
+        judge = chat_backend(args.judge, args.judge_model, **llm)
+        candidates = [(e, t) for e, t in zip(eps, playable) if why[id(e)] is None]
+        for (e, _), v in zip(candidates, judge_all(judge, [(e, t) for e, t in candidates])):
+            verdicts[id(e)] = v
+            if isinstance(v, Exception):
+                why[id(e)] = f"judge failed ({short_reason(v)})"
+            elif v["verdict"] != "pass":
+                why[id(e)] = "judge rejected"
+    kept = [e for e in eps if why[id(e)] is None]
     n_broken = sum(1 for t in tasks if broken[t["id"]])
-    why = Counter(f"broken task (its gold replay fails: {broken[t['id']]})" for t in tasks if broken[t["id"]])
-    why.update({f"errored ({reason})": n for reason, n in errored_reasons(eps).items()})
-    why.update(f"{e.reward_info.get('failed') or 'db'} ({e.end_reason})" for e in eps
-               if not e.errored and e.reward != 1.0)
+    dropped = Counter(f"broken task (its gold replay fails: {broken[t['id']]})" for t in tasks if broken[t["id"]])
+    dropped.update(r for r in why.values() if r)
     print(f"tried {len(eps) + n_broken}, kept {len(kept)} -> {out if kept else 'nothing written'}")
-    for reason, n in why.most_common():
+    for reason, n in dropped.most_common():
         print(f"  dropped {n}: {reason}")
+    if args.tools == "llm":
+        print("  " + simulator_summary(checks))
     if kept:  # an empty or failed run never replaces an earlier file
-        write_conversations(kept, tools, out)
+        write_conversations(kept, tools, out, judged={id(e): verdicts[id(e)] for e in kept} if args.judge else None)
     if died:
         sys.exit(f"synth.py: {died}; " + (f"the {len(kept)} conversations kept before it were written to {out}"
                                           if kept else f"nothing was kept before it; {out} left as it was"))
+    if all_errored(eps):
+        sys.exit(f"synth.py: {all_errored(eps)}; {out} left as it was")
     if not kept:
         sys.exit(f"synth.py: no conversation was kept (reasons above); {out} left as it was")
 
 
-def write_conversations(kept, tools, out):
-    """Write the kept conversations as JSONL: to a temp file, renamed over `out` only once complete."""
+def drop_reason(ep, checks):
+    """Why an episode is not kept, naming the cause (None: it passed, so far); checks: its tool simulator's
+    agreement checks (LLMToolSimulator.checks), first one first. The first cause in this order wins: an errored
+    user or agent, a tool simulator that failed or disagreed with the real tool, then the database."""
+    if ep.errored:
+        who = "agent" if ep.end_reason == "agent_error" else "user"
+        return f"{who} failed ({short_reason(ep.error or ep.end_reason)})"
+    for c in checks:
+        if c["status"] == FAILED:
+            return f"tool simulator failed ({short_reason(c['detail'])})"
+        if c["status"] == DISAGREE:
+            return f"simulator disagreed with the real tool (first on {c['tool']}: {c['kind']})"
+    if ep.reward != 1.0:
+        return f"wrong database (the episode ended by {ep.end_reason})"
+    return None
+
+
+def simulator_summary(checks):
+    """One line: the simulated calls, and per tool how many disagreed with the real tool or failed."""
+    calls = [c for cs in checks.values() for c in cs]
+    per = {}
+    for c in calls:
+        per.setdefault(c["tool"], Counter())[c["status"]] += 1
+    bad = {st: ", ".join(f"{t} {n[st]}/{sum(n.values())}" for t, n in sorted(per.items()) if n[st])
+           for st in (DISAGREE, FAILED)}
+    n = Counter(c["status"] for c in calls)
+    return (f"tool simulator: {len(calls)} calls, {n[AGREE]} agreed with the real tool, {n[DISAGREE]} disagreed"
+            + (f" ({bad[DISAGREE]})" if n[DISAGREE] else "") + f", {n[FAILED]} failed"
+            + (f" ({bad[FAILED]})" if n[FAILED] else ""))
+
+
+def write_conversations(kept, tools, out, judged=None):
+    """Write the kept conversations as JSONL: to a temp file, renamed over `out` only once complete. judged:
+    {id(episode): the judge's {"verdict", "reason"}}, stored beside each conversation."""
     with open(out + ".tmp", "w") as f:
         for e in kept:
-            f.write(json.dumps({"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": tools,
-                                "messages": e.messages}) + "\n")
+            row = {"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": tools, "messages": e.messages}
+            if judged is not None:
+                row["judge"] = {k: judged[id(e)][k] for k in ("verdict", "reason")}
+            f.write(json.dumps(row) + "\n")
     os.replace(out + ".tmp", out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the LLM judge (MUA-RL's second verifier, beside the database check): does the conversation follow the domain
+# policy and serve the user's request? Only its verdict is read, from a JSON object (rollout.ask_judge).
+
+JUDGE_PROMPT = """You review a customer-service conversation before it becomes training data for the agent.
+Decide whether the agent (1) followed the domain policy below at every step and (2) served the user's request,
+using only what the tools returned. The user's request, as the user was told it:
+{request}
+
+Domain policy (the agent's system prompt):
+{policy}
+
+Conversation:
+{transcript}
+
+Answer with one JSON object and nothing else: {{"verdict": "pass" or "fail", "reason": "<one sentence>"}}"""
+
+
+def judge_prompt(ep, task):
+    """The judge's prompt for one episode: the task's user scenario, the agent's policy, the transcript as text."""
+    msgs = ep.messages
+    policy = msgs[0]["content"] if msgs and msgs[0]["role"] == "system" else "(none)"
+    lines = []
+    for m in msgs[1:] if policy != "(none)" else msgs:
+        text = m.get("content") or ""
+        calls = "".join(f" [calls {c['function']['name']}({json.dumps(c['function']['arguments'])})]"
+                        for c in m.get("tool_calls") or [])
+        lines.append(f"{m['role']}: {text}{calls}")
+    request = (task.get("user_scenario") or {}).get("instructions", "")
+    text = JUDGE_PROMPT.format(request=json.dumps(request, indent=1) if isinstance(request, dict) else request,
+                               policy=policy, transcript="\n".join(lines))
+    return [{"role": "user", "content": text}]
+
+
+def judge_all(backend, episodes):
+    """[(episode, task)] -> one verdict each: {"verdict": "pass" | "fail", "reason": str}, or the exception
+    that ended the judge's request (its endpoint failed within the deadline, or it never gave a verdict)."""
+    accept = lambda o: str(o.get("verdict", "")).lower() in ("pass", "fail")
+    out = ask_judge(backend, [judge_prompt(e, t) for e, t in episodes], accept)
+    return [v if isinstance(v, Exception) else
+            {"verdict": str(v["verdict"]).lower(), "reason": str(v.get("reason", ""))} for v in out]
 
 
 def gold_failure(task, db):
@@ -869,15 +971,76 @@ def check_simulated(name, text):
     return json.dumps(obj), False
 
 
+# Agreement between a simulated result and the real tool's on the same call (the real tool runs on the episode's
+# own db, a shadow world the agent never sees). The agent acts on what a result says, so an episode is kept only
+# when every simulated result says what the real one does:
+# - both refuse the call, or both answer: a simulated error where the real tool succeeded (or the reverse) teaches
+#   the agent to give up, or to go on, where the real shop would not. Two errors agree whatever their wording.
+# - a result the shape check rejects (check_simulated) is no tool result at all: a disagreement.
+# - two answers agree when they have the same fields (paths) and every fact is equal: numbers (amounts, prices)
+#   by value, booleans, null, and every string without whitespace (ids, statuses, emails, zips, option values),
+#   exactly. A string with whitespace is prose (a street line, a reason, "Transfer successful") and may be
+#   worded differently. A missing or invented field is a disagreement: the agent could read or miss it.
+AGREE, DISAGREE, FAILED = "agreed", "disagreed", "failed"
+
+
+def _leaves(value, path=""):
+    """{path: leaf} of a JSON value, e.g. {"items[0].price": 24.0}; a bare value is at path ""."""
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in _leaves(sub, f"{path}.{key}" if path else key).items()}
+    if isinstance(value, list):
+        return {k: v for n, sub in enumerate(value) for k, v in _leaves(sub, f"{path}[{n}]").items()}
+    return {path: value}
+
+
+def _as_json(text):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text.strip()  # a bare string result (a user id, "Transfer successful")
+
+
+def _same_fact(a, b):
+    if isinstance(b, str) and re.search(r"\s", b):  # prose: any wording
+        return isinstance(a, str)
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        return isinstance(a, (int, float)) and not isinstance(a, bool) and a == b
+    return type(a) is type(b) and a == b
+
+
+def agreement(simulated, real):
+    """Does a simulated result agree with the real tool's (rule above)? (content, is_error) each -> None when
+    they agree, else (kind, detail): kind is a short fixed phrase for counting, detail names the first difference."""
+    (sim, sim_err), (true, true_err) = simulated, real
+    if sim_err and "returned malformed output" in sim and sim.startswith("Error: the simulated"):
+        return "malformed output", sim[:200]
+    if sim_err != true_err:
+        return (("an error where the real tool answered", f"simulated {sim[:120]!r}, real {true[:120]!r}")
+                if sim_err else ("an answer where the real tool failed", f"real {true[:120]!r}"))
+    if true_err:
+        return None
+    a, b = _leaves(_as_json(sim)), _leaves(_as_json(true))
+    if a.keys() != b.keys():
+        missing, extra = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
+        return "different fields", f"missing {missing[:3]}, invented {extra[:3]}"
+    for path, v in b.items():
+        if not _same_fact(a[path], v):
+            return "different values", f"{path or 'result'}: simulated {a[path]!r}, real {v!r}"[:240]
+    return None
+
+
 class LLMToolSimulator:
     """call_tool(db, name, args) whose answer comes from an LLM prompted with the tool's schema, the call and
-    the slice of the db it may use. The real tool also runs on the episode's db (which the agent never sees),
-    so the kept trajectories are verified by the same reward as everything else. run_episodes hands it every
+    the slice of the db it may use. The real tool also runs on the episode's db (which the agent never sees):
+    the reward is scored from it, and each simulated result is checked against the real one (agreement()). The
+    checks of an episode are in checks[id(its db)] (run_episodes hands call_tool the episode's own db object,
+    Episode.db): dicts with tool, status (agreed, disagreed, failed), kind, detail. run_episodes hands it every
     call of a step at once (call_all), so an endpoint simulates them concurrently."""
 
     def __init__(self, backend, max_new_tokens=512):
         self.backend, self.max_new_tokens = backend, max_new_tokens
         self.schemas = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
+        self.checks = {}
 
     def __call__(self, db, name, args):
         return self.call_all([(db, name, args)])[0]
@@ -891,19 +1054,26 @@ class LLMToolSimulator:
                 out[k] = (err, True)
                 continue
             memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
-            env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
+            real = env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
             call = json.dumps({"name": name, "arguments": args})
             prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(
                 schema=json.dumps(self.schemas[name]), memory=memory, call=call)}])
-            asked.append((k, name))
+            asked.append((k, db, name, real))
         if prompts:
             try:
                 replies = self.backend.chat(prompts, self.max_new_tokens, 0.0)
             except Exception as e:  # the simulator failing is a tool error the agent can read, not a crash
                 replies = [e] * len(prompts)
-            for (k, name), text in zip(asked, replies):
-                out[k] = (f"Error: tool simulator failed: {text}", True) if isinstance(text, Exception) else \
-                    check_simulated(name, text)
+            for (k, db, name, real), text in zip(asked, replies):
+                if isinstance(text, Exception):
+                    out[k] = (f"Error: tool simulator failed: {text}", True)
+                    check = dict(tool=name, status=FAILED, kind="", detail=str(text))
+                else:
+                    out[k] = check_simulated(name, text)
+                    differs = agreement(out[k], real)
+                    check = dict(tool=name, status=DISAGREE if differs else AGREE, kind=differs[0] if differs else "",
+                                 detail=differs[1] if differs else "")
+                self.checks.setdefault(id(db), []).append(check)
         return out
 
 

@@ -154,10 +154,16 @@ def test_evaluate_failing_user_endpoint_mixed(world, tmp_path, fake_server, monk
 
 
 def test_evaluate_failing_user_endpoint_all(world, tmp_path, fake_server, monkeypatch, capsys):
-    """An endpoint that always answers 500: every episode errored, none scored, and evaluate still reports."""
+    """An endpoint that always answers 500: every episode errored, none scored; evaluate reports and exits
+    non-zero, in one line with the counts and the first reason (the mixed run above exits 0)."""
     fast_backoff(monkeypatch)
     srv = fake_server(lambda body: (500, "boom"))
-    res = run_main(evaluate, **tau2_args(world, tmp_path, user=srv.url))
+    with pytest.raises(SystemExit) as e:
+        run_main(evaluate, **tau2_args(world, tmp_path, user=srv.url))
+    msg = str(e.value.code)
+    assert msg.startswith("evaluate.py: every episode errored (4 of 4), the first because user simulator failed")
+    assert "InternalServerError" in msg and "\n" not in msg
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())
     rows = read_jsonl(tmp_path / "eval" / "sft.jsonl")
     assert len(rows) == 4 and all(x["errored"] and x["end_reason"] == "user_error" for x in rows)
     assert all(x["reward"] == 0.0 and x["reward_info"] == {} for x in rows)  # not scored
@@ -545,3 +551,26 @@ def test_demo_path_from_the_committed_base(tmp_path):
         eps = read_jsonl(out / "eval" / f"{name}.jsonl")
         return sum(e["tool_calls"] - e["tool_errors"] for e in eps) / len(eps)
     assert valid_calls("base") == 0.0 and valid_calls("sft") >= 1.5
+
+
+def test_llm_concurrency_reaches_every_endpoint(world, tmp_path, monkeypatch):
+    """--llm-concurrency is handed to the user's endpoint and to an endpoint playing the agent."""
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    with pytest.raises(SystemExit, match="every episode errored"):
+        run_main(evaluate, data_dir=world.data, n_tasks=2, k=1, max_turns=3, out=tmp_path / "eval",
+                 user="http://user/v1", llm_concurrency=5, models="agent=http://agent/v1")
+    assert sorted(dead.made) == [("http://agent/v1", 5), ("http://user/v1", 5)]
+
+
+@needs_bfcl
+def test_bfcl_run_whose_every_endpoint_failed_exits_nonzero(tmp_path, monkeypatch):
+    """Each entry is scored 0, as BFCL does, but a run that measured nothing says so and exits non-zero."""
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--bench", "bfcl", "--models", "remote=http://agent/v1", "--categories", "base", "--n", "2",
+                       "--out", str(tmp_path)])
+    assert str(e.value.code).startswith("evaluate.py: every entry's agent endpoint failed (2 of 2), the first "
+                                        "because dead endpoint;"), e.value.code
+    assert [r["agent_error"] for r in util.read_jsonl(tmp_path / "remote.jsonl")] == ["dead endpoint"] * 2

@@ -510,7 +510,7 @@ def test_collect_without_drop_keeps_every_group(monkeypatch):
     calls = []
     monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls))
     tasks = [{"id": n} for n in ("spread", "a", "b", "c")]
-    kept, zero, played = grpo.collect(None, None, tasks, {}, None, **collect_args(), step=0, rank=0, world=1)
+    kept, zero, played, _ = grpo.collect(None, None, tasks, {}, None, **collect_args(), step=0, rank=0, world=1)
     assert len(calls) == 1 and played == 4 and len(kept) == 8
     gs = groups(kept, 2)
     assert all(len({e.task_id for e in g}) == 1 for g in gs)  # group order: G rollouts of one task together
@@ -521,7 +521,7 @@ def test_collect_drop_zero_spread(monkeypatch):
     calls = []
     monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls))
     tasks = [{"id": n} for n in ("spread", "a", "b", "c")]
-    kept, zero, played = grpo.collect(None, None, tasks, {}, None, **collect_args(drop_zero_spread=True),
+    kept, zero, played, _ = grpo.collect(None, None, tasks, {}, None, **collect_args(drop_zero_spread=True),
                                       step=0, rank=0, world=1)
     assert 1 <= len(calls) <= 4  # the first round and at most 3 extra ones
     assert played == sum(len(c) for c in calls) // 2
@@ -533,14 +533,14 @@ def test_collect_drop_zero_spread(monkeypatch):
         assert len(cur) == len(prev) - 2 * got
     # with spread everywhere the first round fills the batch
     calls.clear()
-    kept, zero, played = grpo.collect(None, None, [{"id": "spread"}], {}, None, **collect_args(drop_zero_spread=True),
-                                      step=3, rank=0, world=1)
+    kept, zero, played, _ = grpo.collect(None, None, [{"id": "spread"}], {}, None,
+                                         **collect_args(drop_zero_spread=True), step=3, rank=0, world=1)
     assert len(calls) == 1 and len(kept) == 8 and zero == 0 and played == 4
     # nothing ever has a spread: 4 rounds, nothing kept, every group counted
     calls.clear()
-    kept, zero, played = grpo.collect(None, None, [{"id": "a"}], {}, None, **collect_args(drop_zero_spread=True),
-                                      step=0, rank=0, world=1)
-    assert len(calls) == 4 and kept == [] and zero == played == 16
+    kept, zero, played, dropped = grpo.collect(None, None, [{"id": "a"}], {}, None,
+                                               **collect_args(drop_zero_spread=True), step=0, rank=0, world=1)
+    assert len(calls) == 4 and kept == [] and zero == played == 16 and len(dropped) == 2 * 16
 
 
 def test_task_weights_follow_the_reward_variance_of_each_kind():
@@ -583,9 +583,10 @@ def test_errored_rollout_does_not_make_a_spread(monkeypatch):
     """A group [1, errored] has one real outcome: no spread, so it is dropped."""
     calls = []
     monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls, errored_in={"spread"}))
-    kept, zero, played = grpo.collect(None, None, [{"id": "spread"}], {}, None,
-                                      **collect_args(drop_zero_spread=True, batch_tasks=1), step=0, rank=0, world=1)
-    assert kept == [] and zero == played == 4
+    kept, zero, played, dropped = grpo.collect(None, None, [{"id": "spread"}], {}, None,
+                                               **collect_args(drop_zero_spread=True, batch_tasks=1), step=0, rank=0,
+                                               world=1)
+    assert kept == [] and zero == played == 4 and sum(e.errored for e in dropped) == 4  # counted in the metrics
 
 
 def descendants(pid):
@@ -693,7 +694,7 @@ def errored_eps(rewards, errored, error="user simulator failed after 3 attempt(s
 
 
 def test_errored_episode_does_not_make_an_update(monkeypatch):
-    monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([1, 1, 0, 1], [0, 0, 1, 0]), 0, 1))
+    monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([1, 1, 0, 1], [0, 0, 1, 0]), 0, 1, []))
     monkeypatch.setattr(grpo, "update", lambda *a, **k: pytest.fail("updated on a group with no spread"))
     rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
         group=4, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
@@ -701,10 +702,10 @@ def test_errored_episode_does_not_make_an_update(monkeypatch):
 
 
 def test_all_errored_step_logs_null_reward(monkeypatch):
-    monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([0, 0], [1, 1]), 1, 1))
+    monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([0, 0], [1, 1]), 1, 1, []))
     rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
         group=2, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
-    assert rec["reward_mean"] is None and rec["errored"] == 2 and rec["update_skipped"] == 1
+    assert rec["reward_mean"] is None and rec["errored"] == rec["episodes"] == 2 and rec["update_skipped"] == 1
     assert rec["errored_reasons"] == {"user simulator failed after N attempt(s): HTTP N from http://u: boom": 2}
     json.dumps(rec)
 
@@ -921,3 +922,73 @@ def test_gpu_check_cpu_smoke():
     assert [row.split(" | ")[1].split(" (")[0] for row in rows] == [
         "SFT step", "GRPO rollout", "GRPO update", "sampler vs trainer log-probs"]
     assert "max abs diff" in rows[-1] and "FSDP2 world size 1" in r.stdout
+
+
+def test_dropped_groups_count_in_the_step_metrics(monkeypatch):
+    """--drop-zero-spread: episodes of dropped groups count in "episodes" and "errored" (else a step whose every
+    episode errored would log 0 errored of 0), and only there."""
+    dropped = errored_eps([0, 0, 0, 0], [1, 1, 0, 0])
+    monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([1, 1], [0, 0]), 2, 3, dropped))
+    rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
+        group=2, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
+    assert rec["episodes"] == 6 and rec["errored"] == 2 and rec["reward_mean"] == 1.0 and rec["tokens_generated"] == 4
+
+
+def fake_grpo_step(errored_steps=(), seen=None):
+    """grpo_step's stand-in for train(): no rollouts, no update. Steps in errored_steps (0-based) have every one of
+    their 4 episodes errored; `seen` gets the task weights each step was drawn with. The step's tally is uneven
+    across kinds (kind k: k % 3 successes of 4), so --task-sampling spread weights depend on it."""
+    def step_fn(*a, step, weights, keys, **kw):
+        if seen is not None:
+            seen.append(weights)
+        bad = step in errored_steps
+        tally = [[0.0, 0.0] if bad else [float(k % 3), 4.0] for k in range(len(keys))]
+        return {"step": step + 1, "reward_mean": None if bad else 0.5, "zero_spread_frac": 0.0, "update_skipped": 1,
+                "episodes": 4, "errored": 4 if bad else 0, "tally": [x for t in tally for x in t],
+                **({"errored_reasons": {f"user simulator failed at step {step + 1}": 4}} if bad else {})}
+    return step_fn
+
+
+def test_consecutive_fully_errored_steps_stop_the_run(world, tmp_path, monkeypatch):
+    """--max-errored-steps 2: two fully errored steps in a row stop the run (non-zero, one line with the counts and
+    the first reason); errored steps that are not consecutive, or a partly errored run, do not."""
+    monkeypatch.setattr(grpo, "grpo_step", fake_grpo_step(errored_steps={1, 3, 4, 5}))
+    with pytest.raises(SystemExit) as e:
+        run_main(grpo, **tiny_grpo(world, tmp_path / "a", steps=8, max_errored_steps=2))
+    msg = str(e.value.code)
+    assert msg.startswith("grpo.py: every episode errored in 2 consecutive steps (4-5; 4 of 4 in the last), "
+                          "the first because user simulator failed at step 5;"), msg
+    assert "\n" not in msg and [r["step"] for r in read_jsonl(tmp_path / "a" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    # steps 2 and 4 alone never make 2 in a row; 0 never stops
+    monkeypatch.setattr(grpo, "grpo_step", fake_grpo_step(errored_steps={1, 3}))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=5, max_errored_steps=2))
+    monkeypatch.setattr(grpo, "grpo_step", fake_grpo_step(errored_steps={0, 1, 2, 3}))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "c", steps=4, max_errored_steps=0))
+    assert len(read_jsonl(tmp_path / "c" / "metrics.jsonl")) == 4
+
+
+def test_default_stops_after_three_fully_errored_steps(world, tmp_path, monkeypatch):
+    monkeypatch.setattr(grpo, "grpo_step", fake_grpo_step(errored_steps={0, 1, 2, 3}))
+    with pytest.raises(SystemExit, match="every episode errored in 3 consecutive steps"):
+        run_main(grpo, **tiny_grpo(world, tmp_path / "a", steps=4))
+
+
+def test_resume_restores_the_task_sampling_tally(world, tmp_path, monkeypatch):
+    """--task-sampling spread draws by the running tally: a run cut after step 1 and resumed draws steps 2-3 with
+    the same weights as the straight run. The tally is uneven across kinds, so a resume that forgot it (the
+    Laplace prior gives every kind 1/2) draws otherwise; the straight run's weights do move (the control)."""
+    straight, cut = [], []
+    monkeypatch.setattr(grpo, "grpo_step", fake_grpo_step(seen=straight))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "a", steps=3, task_sampling="spread"))
+    monkeypatch.setattr(grpo, "grpo_step", fake_grpo_step(seen=cut))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=1, task_sampling="spread"))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=3, task_sampling="spread", resume=True))
+    assert len(set(straight[0])) == 1 and len(set(straight[1])) > 1  # uniform before any tally, uneven after
+    assert cut == straight
+
+
+def test_llm_concurrency_reaches_the_user_endpoint(world, tmp_path, monkeypatch):
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, user="http://user/v1", llm_concurrency=5))
+    assert dead.made == [("http://user/v1", 5)]

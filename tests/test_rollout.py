@@ -1422,3 +1422,39 @@ def test_chat_agent_failure_and_deadline_error_the_episode(tasks, db):
     assert ep.errored and ep.end_reason == "agent_error" and "out of time" in ep.error
     # 0.05 s or more a turn: the second or third crossed 0.12 s (a loaded machine sleeps longer), none after it
     assert slow.calls in (2, 3) and ep.turns == slow.calls
+
+
+def test_ask_judge_reads_one_json_answer_and_asks_again_without_one():
+    """The first accepted JSON object after any <think> block is the answer; a reply without one is asked again
+    (sampled), up to `tries`; a failed request is final; nothing in the reply is eval'ed."""
+    class Scripted:
+        def __init__(self, replies):
+            self.replies, self.asked = replies, []
+
+        def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
+            self.asked.append((len(batch), temperature))
+            return [self.replies[b[0]["content"]].pop(0) for b in batch]
+
+    accept = lambda o: o.get("verdict") in ("pass", "fail")
+    be = Scripted({"a": ['<think>{"verdict": "fail"}</think> {"note": 1} then {"verdict": "pass", "reason": "ok"}'],
+                   "b": ["__import__('os').system('false')", '{"verdict": "fail", "reason": "x"}'],
+                   "c": ["no", "still no", "never"], "d": [ValueError("HTTP 500")]})
+    out = rollout.ask_judge(be, [[{"role": "user", "content": k}] for k in "abcd"], accept, tries=3)
+    assert out[0] == {"verdict": "pass", "reason": "ok"} and out[1] == {"verdict": "fail", "reason": "x"}
+    assert isinstance(out[2], ValueError) and "never" in str(out[2]) and str(out[3]) == "HTTP 500"
+    assert be.asked == [(4, 0.0), (2, 0.7), (1, 0.7)]  # only the unanswered ones again, sampled
+
+
+def test_chat_backend_keeps_its_concurrency_limit():
+    """chat_backend hands --llm-concurrency on, and the backend keeps it: 9 slow requests at a limit of 3 are at
+    most 3 at the server at once, and 3 do get there together (a backend that serialised them would pass the
+    first check alone). Fast: 3 rounds of 0.3 s."""
+    from rollout import chat_backend
+    srv = LoadServer(0.3)
+    try:
+        be = chat_backend(srv.url, "m", concurrency=3, deadline=30.0)
+        replies = be.chat([[{"role": "user", "content": f"conversation {i}"}] for i in range(9)], 8)
+    finally:
+        srv.close()
+    assert replies == ["Thanks, that's all. ###STOP###"] * 9
+    assert srv.peak == be.peak_in_flight == 3

@@ -296,7 +296,7 @@ def test_llm_tool_simulator_runs_the_real_tool(db):
         "Error: the simulated cancel_pending_order returned malformed output (not JSON).", True)
     assert d["orders"][oid]["status"] == "cancelled"  # the real call ran anyway
     p = stub.prompts[0]
-    # the memory holds the order's record (read after the real call ran, so here already cancelled) and the call
+    # the memory holds the order's record (as it was before the call: what a simulator must answer from) and the call
     assert f'{{"order_id": "{oid}", "user_id": "{db["orders"][oid]["user_id"]}"' in p
     assert json.dumps({"name": "cancel_pending_order", "arguments": args}) in p
     good = json.dumps({"order_id": oid, "status": "cancelled"})
@@ -581,8 +581,9 @@ def test_failing_user_endpoint_keeps_the_old_output(made, tmp_path, server, monk
     monkeypatch.setattr(rollout, "OpenAIChatBackend", functools.partial(rollout.OpenAIChatBackend, backoff=0.001))
     srv = server([], default=500)
     msg, out = exits_nonzero(capsys, data_dir=data, user=srv.url, n_tasks=3)
-    assert "no conversation was kept" in msg and "left as it was" in msg
-    assert "dropped 3: errored (user simulator failed" in out and "HTTP N" in out, out  # counted by reason
+    assert "every episode errored (3 of 3), the first because user simulator failed" in msg, msg
+    assert "left as it was" in msg and "\n" not in msg
+    assert "dropped 3: user failed (user simulator failed" in out and "HTTP N" in out, out  # counted by reason
     assert (data / "sft.jsonl").read_bytes() == before and not (data / "sft.jsonl.tmp").exists()
 
 
@@ -658,3 +659,192 @@ def test_bad_arguments_name_the_flag_and_range(flag, value, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--" + flag.replace("_", "-") + " must be >= 1" in err, err
     assert not (tmp_path / "data").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# verification: simulated tools checked against the real ones, and the LLM judge
+
+
+class FakeToolLLM(util.FakeOpenAIServer):
+    """An OpenAI-compatible tool simulator. mode "nonsense": one sentence for every call; "shape": the real
+    result in the wrong shape (a string result as a JSON record, a record wrapped in another); "exact": the real
+    tool's result, computed on the shop with the prompt's memory records (the state before the call) put in."""
+
+    def __init__(self, mode, shop):
+        self.mode, self.shop, self.n = mode, shop, 0
+        super().__init__()
+
+    def answer(self, path, body):
+        self.n += 1
+        prompt = body["messages"][0]["content"]
+        call = json.loads(prompt.split("\nCall: ", 1)[1])
+        memory = prompt.split("memory:\n", 1)[1].split("\n\nCall: ", 1)[0]
+        world = copy.deepcopy(self.shop)
+        for rec in (json.loads(line) for line in memory.splitlines() if line.strip()):
+            table, key = (("orders", "order_id") if "items" in rec else ("users", "user_id") if "payment_methods" in rec
+                          else ("products", "product_id"))
+            world[table][rec[key]] = rec
+        real, _ = env.call_tool(world, call["name"], call["arguments"])
+        text = {"nonsense": "Hi, I'd like to cancel my order please.", "exact": real,
+                "shape": json.dumps({"result": real}) if real.startswith("{") else json.dumps({"user_id": real})}
+        return 200, {"choices": [{"message": {"role": "assistant", "content": text[self.mode]}}]}
+
+
+def synth_run(capsys, **flags):
+    """synth.main with flags -> (exit message or None, stdout)."""
+    try:
+        util.run_main(synth, **flags)
+        code = None
+    except SystemExit as e:
+        code = str(e.code)
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["nonsense", "shape", "exact"])
+def test_simulated_tools_must_agree_with_the_real_ones(made, tmp_path, capsys, mode):
+    """Nonsense and right-but-misshapen simulations keep nothing, each drop naming the disagreement and the tool
+    that first disagreed; a simulator that answers exactly what the real tool does keeps what the oracle keeps."""
+    data = copy_of(made, tmp_path)
+    oracle_kept = sorted(r["task_id"] for r in read_jsonl(data / "sft.jsonl"))  # --tools env, the same 9 tasks
+    assert len(oracle_kept) == 9
+    srv = FakeToolLLM(mode, env.load_db(data / "shop.json"))
+    try:
+        code, out = synth_run(capsys, data_dir=data, tools="llm", tool_llm=srv.url, tool_model="fake",
+                              out=tmp_path / "llm.jsonl")
+    finally:
+        srv.close()
+    assert srv.n > 9, out
+    summary = next(line for line in out.splitlines() if "tool simulator:" in line)
+    if mode == "exact":
+        assert code is None and "tried 9, kept 9" in out, out
+        assert sorted(r["task_id"] for r in read_jsonl(tmp_path / "llm.jsonl")) == oracle_kept
+        assert f"{srv.n} agreed with the real tool, 0 disagreed, 0 failed" in summary, summary
+        return
+    assert "no conversation was kept" in code and not (tmp_path / "llm.jsonl").exists()
+    # the oracle's first call identifies the user, so that is where each episode first disagrees
+    kind = "different values" if mode == "nonsense" else "malformed output"
+    lines = [line for line in out.splitlines() if "dropped" in line]
+    assert sum(int(line.split()[1].rstrip(":")) for line in lines) == 9, out
+    assert all("simulator disagreed with the real tool (first on find_user_id_by_" in line and kind in line
+               for line in lines), out
+    assert "wrong database" not in out and f", 0 agreed with the real tool, {srv.n} disagreed (" in summary, summary
+    assert "find_user_id_by_email" in summary and "find_user_id_by_name_zip" in summary
+    if mode == "nonsense":  # the oracle goes on with the sentence as the user id: every later call disagrees too
+        assert "get_order_details" in summary and "cancel_pending_order" in summary, summary
+
+
+def test_agreement_rule():
+    order = {"order_id": "#W1", "status": "pending", "items": [{"price": 24.0, "name": "Water Bottle"}],
+             "address": {"address1": "12 Oak St"}}
+    real = (json.dumps(order), False)
+    assert synth.agreement(real, real) is None
+    # prose may be worded otherwise; numbers agree by value
+    reworded = copy.deepcopy(order)
+    reworded["items"][0].update(price=24, name="water bottle (1)")
+    reworded["address"]["address1"] = "12 Oak Street"
+    assert synth.agreement((json.dumps(reworded), False), real) is None
+    for change, kind in [(("status", "cancelled"), "different values"), (("order_id", "#W2"), "different values"),
+                         (("extra", 1), "different fields")]:
+        bad = dict(order, **dict([change]))
+        assert synth.agreement((json.dumps(bad), False), real)[0] == kind, change
+    price = copy.deepcopy(order)
+    price["items"][0]["price"] = 24.5
+    assert synth.agreement((json.dumps(price), False), real) == (
+        "different values", "items[0].price: simulated 24.5, real 24.0")
+    missing = {k: v for k, v in order.items() if k != "address"}
+    assert synth.agreement((json.dumps(missing), False), real)[0] == "different fields"
+    # errors: two agree whatever the wording; one against an answer does not
+    assert synth.agreement(("Error: no such order", True), ("Error: Order not found", True)) is None
+    assert synth.agreement(("Error: no such order", True), real)[0] == "an error where the real tool answered"
+    assert synth.agreement(real, ("Error: Order not found", True))[0] == "an answer where the real tool failed"
+    assert synth.agreement(synth.check_simulated("get_order_details", "nonsense"), real)[0] == "malformed output"
+    # bare string results: an id exactly, a number by value, prose any wording
+    assert synth.agreement(("ann_lee_1234", False), ("ann_lee_1234", False)) is None
+    assert synth.agreement(("ann_lee_9999", False), ("ann_lee_1234", False))[0] == "different values"
+    assert synth.agreement(("Hi, I'd like to cancel my order please.", False), ("ann_lee_1234", False))
+    assert synth.agreement(("24.50", False), ("24.5", False)) is None
+    assert synth.agreement(("You are now transferred", False), ("Transfer successful", False)) is None
+
+
+def test_failing_tool_simulator_is_named_as_the_cause(made, tmp_path, server, monkeypatch, capsys):
+    """A tool endpoint answering 500: the drop reason is the simulator, not the database the agent never wrote."""
+    import functools
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", functools.partial(rollout.OpenAIChatBackend, backoff=0.001))
+    srv = server([], default=500)
+    code, out = synth_run(capsys, data_dir=copy_of(made, tmp_path), tools="llm", tool_llm=srv.url, n_tasks=4,
+                          max_turns=4)
+    assert "no conversation was kept" in code
+    assert "dropped 4: tool simulator failed (InternalServerError from http://N.N.N.N:N/v1: HTTP N" in out, out
+    assert "wrong database" not in out and "0 agreed with the real tool, 0 disagreed, 4 failed" in out, out
+
+
+class FakeJudge(util.FakeOpenAIServer):
+    """An OpenAI-compatible judge: reply(prompt) gives its text, or an int (that HTTP status). Keeps prompts."""
+
+    def __init__(self, reply):
+        self.reply, self.prompts = reply, []
+        super().__init__()
+
+    def answer(self, path, body):
+        self.prompts.append(body["messages"][0]["content"])
+        r = self.reply(self.prompts[-1])
+        if isinstance(r, int):
+            return r, {"error": "judge down"}
+        return 200, {"choices": [{"message": {"role": "assistant", "content": r}}]}
+
+
+PASS = '<think>{"verdict": "fail"} is tempting</think>Sure. {"verdict": "pass", "reason": "followed the policy"}'
+
+
+@pytest.mark.parametrize("case", ["accept", "reject_one", "fail", "no_verdict"])
+def test_judge_is_a_second_verifier(made, tmp_path, monkeypatch, capsys, case):
+    """Kept: what passes the database check and the judge, its verdict stored beside it. Rejected, failed (after
+    retries) and never-answered judgements are dropped, each with its reason; nothing is kept unjudged."""
+    import functools
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", functools.partial(rollout.OpenAIChatBackend, backoff=0.001))
+    data = copy_of(made, tmp_path)
+    tasks = env.load_tasks(data / "train_tasks.jsonl")[:4]
+    target = tasks[1]["script"]["user_id"]  # "reject_one" rejects the conversation with this user
+    reply = {"accept": lambda p: PASS, "fail": lambda p: 500, "no_verdict": lambda p: "I think it is fine.",
+             "reject_one": lambda p: ('{"verdict": "FAIL", "reason": "no confirmation"}' if target in p else PASS)}
+    srv = FakeJudge(reply[case])
+    try:
+        code, out = synth_run(capsys, data_dir=data, n_tasks=4, judge=srv.url, judge_model="fake-judge",
+                              out=tmp_path / "judged.jsonl")
+    finally:
+        srv.close()
+    rows = read_jsonl(tmp_path / "judged.jsonl") if code is None else []
+    if case == "accept":
+        assert "tried 4, kept 4" in out and len(srv.prompts) == 4
+        assert all(r["judge"] == {"verdict": "pass", "reason": "followed the policy"} for r in rows)
+        # the judge sees the domain policy, the user's request and the whole conversation with its tool calls
+        p = next(p for p in srv.prompts if tasks[0]["script"]["user_id"] in p)
+        assert rollout.SYSTEM_PROMPT[:60] in p and tasks[0]["user_scenario"]["instructions"]["reason_for_call"] in p
+        assert "[calls find_user_id_by_" in p and "\ntool: " in p and "\nuser: " in p
+    elif case == "reject_one":
+        assert "tried 4, kept 3" in out and "dropped 1: judge rejected" in out, out
+        assert sorted(r["task_id"] for r in rows) == sorted(t["id"] for t in tasks if t is not tasks[1])
+    else:
+        assert code and "no conversation was kept" in code and not (tmp_path / "judged.jsonl").exists()
+        why = "HTTP N" if case == "fail" else "no valid JSON answer in the judge's reply"
+        assert f"dropped 4: judge failed (" in out and why in out, out
+        assert len(srv.prompts) == (4 * 5 if case == "fail" else 4 * 3)  # the backend's retries; ask_judge's tries
+
+
+def test_judge_is_not_asked_about_what_the_database_check_dropped(made, tmp_path, capsys):
+    srv = FakeJudge(lambda p: PASS)
+    try:
+        code, out = synth_run(capsys, data_dir=copy_of(made, tmp_path), n_tasks=2, max_turns=1, judge=srv.url)
+    finally:
+        srv.close()
+    assert code and "dropped 2: wrong database" in out and srv.prompts == []
+
+
+def test_llm_concurrency_reaches_every_endpoint(made, tmp_path, monkeypatch, capsys):
+    """--llm-concurrency is handed to every endpoint synth.py builds: the tool simulator, the user, the judge."""
+    dead = util.DeadEndpoints()
+    monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
+    code, out = synth_run(capsys, data_dir=copy_of(made, tmp_path), n_tasks=2, tools="llm", tool_llm="http://tool/v1",
+                          user="http://user/v1", judge="http://judge/v1", llm_concurrency=5)
+    assert "every episode errored (2 of 2)" in code
+    assert sorted(dead.made) == [("http://judge/v1", 5), ("http://tool/v1", 5), ("http://user/v1", 5)]

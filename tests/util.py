@@ -250,3 +250,21 @@ class FakeUser(FakeOpenAIServer):
         text = "Hi, I want to return an order." if said == 0 else "Thanks. ###STOP###"
         return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
             {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}
+
+
+class DeadEndpoints:
+    """Stands in for rollout.OpenAIChatBackend (monkeypatch it in): `made` records each endpoint's URL and the
+    concurrency it was built with; every request fails at once, so a run ends quickly with every episode errored."""
+
+    def __init__(self):
+        self.made = []
+        outer = self
+
+        class Backend:
+            def __init__(self, base_url, model, concurrency=None, **kw):
+                outer.made.append((base_url, concurrency))
+
+            def chat(self, batch, *a, **kw):
+                import env
+                return [env.UserSimError("dead endpoint")] * len(batch)
+        self.Backend = Backend
