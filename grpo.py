@@ -338,6 +338,14 @@ def episode_batch(eps, advs, device):
     return ids, mask[:, 1:], attn, old[:, 1:], advs.to(device)
 
 
+def dummy_batch(device):
+    """What a rank with less work forwards and backwards so that its collectives match the others': one
+    2-token sequence of token 0 with no policy token (its loss, times 0, adds nothing)."""
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    zeros = torch.zeros((1, 1), device=device)
+    return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
+
+
 def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip, temperature,
            seed, device, world):
     """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
@@ -364,8 +372,12 @@ def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch,
             # must run as many, so a rank with fewer chunks runs dummy ones (an episode with its loss times 0)
             n_chunks = int(all_reduce_max(torch.tensor(len(chunks))))
             for k in range(n_chunks):
-                sub, scale = (chunks[k], 1.0) if k < len(chunks) else (idx[:1], 0.0)
-                ids, mask, attn, old, adv = episode_batch([eps[i] for i in sub], advs[sub], device)
+                if k < len(chunks):
+                    ids, mask, attn, old, adv = episode_batch([eps[i] for i in chunks[k]], advs[chunks[k]], device)
+                    scale = 1.0
+                else:  # a dummy: this rank may hold no episode at all (--drop-zero-spread, many --mini-batches)
+                    ids, mask, attn, old, adv = dummy_batch(device)
+                    scale = 0.0
                 with autocast(device):
                     new, ent = forward_logprobs(model, ids, attn, temperature)
                     ref_lp = None

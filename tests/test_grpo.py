@@ -844,6 +844,55 @@ def test_fsdp_update_matches_one_process(tiny, tmp_path):
         assert want[case].abs().max() > 0
 
 
+def _empty_rank(rank, world, port, model, eps, advs, out):
+    """update() under FSDP2 where rank 1 holds no episode at all; rank 0 saves the gradients of its 3 steps."""
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    policy = rollout.wrap_model(copy.deepcopy(model), fsdp=True, world=world, device="cpu", bf16=False)
+    opt = FullGrads(policy)
+    mine = slice(0, len(eps)) if rank == 0 else slice(0, 0)
+    grpo.update(policy, None, opt, eps[mine], advs[mine], **_args(micro_batch=1, mini_batches=3), device="cpu",
+                world=world)
+    if rank == 0:
+        torch.save(opt.grads, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_fsdp_update_with_a_rank_holding_no_episodes(tiny, tmp_path):
+    """A rank can keep no episodes (--drop-zero-spread dropped all its groups) and a mini-batch can be empty on a
+    rank (--mini-batches larger than its episodes): it must still run as many forwards as the others, on a dummy
+    batch, or the others wait in FSDP's all-gather until the timeout. 2 gloo ranks, rank 1 empty, 3 mini-batches
+    over 2 episodes (the third empty on both ranks): the gradients equal one process's (1e-6, fp32)."""
+    tok, model = tiny
+    eps = [_episode(tok, [0] * 3 + [1] * n + [0] * 2, s) for s, n in enumerate([2, 5])]
+    advs = torch.tensor([1.0, -1.0])
+    policy = copy.deepcopy(model)
+    want = FullGrads(policy)
+    grpo.update(policy, None, want, eps, advs, **_args(micro_batch=1, mini_batches=3), device="cpu", world=1)
+    port = 29500 + random.Random().randrange(2000)
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_empty_rank, args=(r, 2, port, model, eps, advs, tmp_path / "g.pt"), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # None: a rank hung
+    got = torch.load(tmp_path / "g.pt")
+    assert len(got) == len(want.grads) == 3
+    for g, w in zip(got, want.grads):
+        assert torch.allclose(g, w, atol=1e-6)
+    assert want.grads[0].abs().max() > 0 and want.grads[2].abs().max() == 0  # the third mini-batch is empty
+
+
 def test_lora_grpo_merged_checkpoints_and_exact_resume(world, tmp_path, monkeypatch):
     """--lora-rank: the reference for the KL term is the policy with its adapters off (no copy of the model);
     checkpoints hold merged weights that load_model reads as a plain model; a resumed run restores the adapter
