@@ -178,11 +178,13 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         loss_sum = 0.0
-        for a in range(grad_accum):
+        # every rank runs as many micro-batches (DDP all-reduces in each backward, FSDP all-gathers in each
+        # forward): rank 0's share is the largest, and where data is short of a global batch a rank with fewer
+        # conversations runs dummies (a conversation of the batch, its loss times 0)
+        for a in range(min(grad_accum, math.ceil(len(glob[0::world]) / batch_size))):
             mb = mine[a * batch_size:(a + 1) * batch_size]
-            if not mb:
-                continue
-            loss = micro_loss(net, mb, total, device) * world  # DDP averages gradients over ranks
+            weight = world if mb else 0.0  # DDP averages gradients over ranks: * world keeps the token mean
+            loss = micro_loss(net, mb or glob[:1], total, device) * weight
             loss_sum += float(loss.detach()) / world
             if copy_mix and a == 0:
                 loss = loss + copy_mix.loss(net, step, rank)
