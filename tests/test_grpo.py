@@ -923,7 +923,7 @@ def test_vllm_sleeps_through_the_update(world, fake_vllm, monkeypatch):
     for its KV cache, then drops its cached prefixes."""
     monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
     model, tok = rollout.load_model(str(world.sft))
-    gen = rollout.VLLMGenerator(str(world.sft), tok)
+    gen = rollout.VLLMGenerator(str(world.sft), tok, max_model_len=520, sleep=True)
     gen.sleeps = True  # as on CUDA
     real = grpo.update
     monkeypatch.setattr(grpo, "update", lambda *a, **k: gen.llm.calls.append(("update",)) or real(*a, **k))
@@ -935,6 +935,21 @@ def test_vllm_sleeps_through_the_update(world, fake_vllm, monkeypatch):
     assert rec["update_skipped"] == 0
     assert [c[0] for c in gen.llm.calls] == ["sleep", "update", "wake_up", "reload_weights", "wake_up",
                                              "reset_prefix_cache"]
+
+
+def test_vllm_engine_options_of_a_grpo_run(world, fake_vllm, monkeypatch, tmp_path):
+    """grpo.py --backend vllm asks for an engine that holds one episode plus one turn (--max-len +
+    --max-new-tokens: vLLM's default, the model's 40,960 positions for Qwen3, failed to start where the KV cache
+    holds less), that sleeps through updates (on CUDA), and that seeds the process with --seed (vLLM's default,
+    0, reset it)."""
+    import util
+    monkeypatch.setattr(grpo, "require_vllm", lambda: None)
+    asked = []
+    monkeypatch.setattr(grpo, "VLLMGenerator", lambda *a, **kw: asked.append(kw) or rollout.VLLMGenerator(*a, **kw))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, backend="vllm", max_len=700, seed=3))
+    assert asked[0]["sleep"] is True
+    kw = util.FakeLLM.made[0]
+    assert kw["max_model_len"] == 700 + 24 and kw["seed"] == 3
 
 
 def test_backend_vllm_without_vllm_names_the_install(world, tmp_path, monkeypatch):

@@ -1160,11 +1160,12 @@ def test_vllm_group_copies_differ_with_a_deterministic_user(vllm_world, engine):
 
 def test_vllm_each_prompt_gets_its_own_seed(fake_vllm, tok, tasks, db, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    gen = rollout.VLLMGenerator("some/checkpoint", tok, gpu_memory_utilization=0.3)
+    gen = rollout.VLLMGenerator("some/checkpoint", tok, max_model_len=1100, seed=9, gpu_memory_utilization=0.3)
     kw = gen.llm.kw
     assert kw["gpu_memory_utilization"] == 0.3 and kw["enable_prefix_caching"]
+    assert kw["max_model_len"] == 1100 and kw["seed"] == 9  # not Qwen3's 40,960; not vLLM's seed 0
     assert "distributed_executor_backend" not in kw  # one process: vLLM's own single worker
-    assert kw["enable_sleep_mode"] is torch.cuda.is_available()  # sleep mode exists on CUDA only
+    assert kw["enable_sleep_mode"] is False  # only a GRPO engine sleeps (sleep=True), and only on CUDA
     group = [tasks[0]] * 8  # a GRPO group: 8 copies of one task, so 8 identical first prompts
     rollout.run_episodes(gen, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=5)
     first = gen.llm.params[0]
@@ -1172,7 +1173,7 @@ def test_vllm_each_prompt_gets_its_own_seed(fake_vllm, tok, tasks, db, monkeypat
     seeds = [p.seed for p in first]
     assert len(set(seeds)) == 8 and all(0 <= s < 2 ** 31 for s in seeds)
     assert {p.max_tokens for p in first} == {256} and first[0].stop_token_ids == [tok.eos_token_id]
-    again = rollout.VLLMGenerator("some/checkpoint", tok)
+    again = rollout.VLLMGenerator("some/checkpoint", tok, max_model_len=1100)
     rollout.run_episodes(again, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=5)
     assert [p.seed for p in again.llm.params[0]] == seeds  # seeded: a rerun samples the same
     rollout.run_episodes(again, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=6)
@@ -1183,7 +1184,7 @@ def test_vllm_under_torchrun_sleeps_and_gets_bf16_weights(fake_vllm, tok, monkey
     """Under torchrun each rank's engine joins the ranks' process group on its own GPU (external_launcher); on
     CUDA it sleeps through the update and wakes for the weights first, then for its KV cache."""
     monkeypatch.setenv("RANK", "3")
-    gen = rollout.VLLMGenerator("some/checkpoint", tok, dtype="bfloat16")
+    gen = rollout.VLLMGenerator("some/checkpoint", tok, max_model_len=1100, dtype="bfloat16", sleep=True)
     assert gen.llm.kw["distributed_executor_backend"] == "external_launcher" and gen.llm.kw["dtype"] == "bfloat16"
     gen.sleeps = True  # as on CUDA
     model = sft.build_tiny_model(tok, d_model=16, n_layer=1, n_head=2)
@@ -1207,7 +1208,7 @@ def test_vllm_push_merges_lora(fake_vllm, tok, monkeypatch):
     merged = dict(rollout.hf_weights(model.state_dict(), scaling=rollout.lora_scaling(model)))
     plain = copy.deepcopy(model).merge_and_unload().state_dict()  # peft's own merge
     assert set(merged) == set(plain) and all(torch.allclose(merged[k], plain[k], atol=1e-6) for k in plain)
-    gen = rollout.VLLMGenerator("some/checkpoint", tok)
+    gen = rollout.VLLMGenerator("some/checkpoint", tok, max_model_len=1100)
     gen.load_weights(model)
     assert {n for n, _ in gen.llm.calls[0][1]} == set(plain)
 
@@ -1215,7 +1216,7 @@ def test_vllm_push_merges_lora(fake_vllm, tok, monkeypatch):
 def test_vllm_missing_names_the_install(monkeypatch, tok):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     with pytest.raises(SystemExit, match="pip install -r requirements-gpu.txt"):
-        rollout.VLLMGenerator("some/checkpoint", tok)
+        rollout.VLLMGenerator("some/checkpoint", tok, max_model_len=1100)
 
 
 # ----------------------------------------------------------------------------------------------------
