@@ -43,9 +43,9 @@ from tqdm import tqdm
 import env
 from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_args, add_user_args, agent_system_prompt,
                      all_reduce_max, all_reduce_sum, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons,
-                     load_model, load_optimizer_state, logprobs_chunked, make_user_factory, open_metrics, pad_batch,
-                     require_vllm, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed,
-                     unwrap)
+                     load_model, load_optimizer_state, load_train_state, logprobs_chunked, make_user_factory,
+                     open_metrics, pad_batch, require_vllm, resolve_checkpoint, run_episodes, save_checkpoint,
+                     set_thinking, setup_distributed, unwrap)
 
 
 def main(argv=None):
@@ -142,7 +142,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
     torch.manual_seed(seed)
     os.makedirs(out, exist_ok=True)
     resuming = resume and os.path.isfile(os.path.join(out, "latest"))
-    state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False) if resuming else {}
+    state = load_train_state(out) if resuming else {}  # memory-mapped: AdamW's state is read shard by shard
     # checkpoints hold merged weights: a LoRA run resumes from its base model and the saved adapter
     policy, tok = load_model(out if resuming and not lora_rank else model, **scale.load_kw)
     set_thinking(tok, thinking)
@@ -163,8 +163,9 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         start = state["step"]
     if backend == "vllm":
         # the engine holds one episode and one more turn; it sleeps through updates; it re-seeds the process
-        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok, max_model_len=max_len + max_new_tokens,
-                            seed=seed, sleep=True, gpu_memory_utilization=vllm_gpu_memory)
+        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok,
+                            max_model_len=max_len + max_new_tokens, seed=seed, sleep=True,
+                            gpu_memory_utilization=vllm_gpu_memory)
     else:
         gen = HFGenerator(unwrap(policy), tok)
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),

@@ -128,6 +128,14 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
 RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # plus step_* folders
 
 
+def load_train_state(run_dir):
+    """The latest checkpoint's train_state.pt (step, AdamW state, LoRA adapter, ...), memory-mapped: its tensors are
+    read from the file only where touched, and the file's pages are one copy in the page cache shared by every rank
+    of the machine. Loaded whole, every rank held the full fp32 AdamW state (8 bytes per trained parameter: 118 GB
+    for Qwen3-14B) before keeping its shard of it; under FSDP each rank now reads only its shard's slices."""
+    return torch.load(os.path.join(resolve_checkpoint(run_dir), "train_state.pt"), weights_only=False, mmap=True)
+
+
 def claim_run_dir(out, resume, overwrite):
     """Before a run starts (rank 0 only): a run that does not --resume must not write into an earlier run's
     folder, whose checkpoints and metrics would mix with its own. -> None when the run may go on, else the
@@ -1614,6 +1622,7 @@ def require_vllm():
 GiB = 2 ** 30
 OVERHEAD = 3 * GiB         # CUDA context (~0.5 GB), NCCL buffers, allocator fragmentation: an allowance, not a count
 VLLM_RESERVE = 2 * GiB     # inside vLLM's share, beside weights and KV cache: its activations and CUDA graphs
+GPUS_PER_HOST = 8          # ranks that share one machine's memory (and its page cache)
 
 
 @dataclass(frozen=True)
@@ -1683,7 +1692,7 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     (the engine's share, asleep during the update), overhead; then the peaks of the two phases: rollout (resident
     state + vLLM) and update (resident state + gradients + activations), total = the larger, and fits.
     FSDP divides what is sharded by `world`; cpu_offload moves it to host memory ("host": bytes per rank, which
-    must stay within host_bytes when given). kv_tokens: the tokens of KV cache vLLM's share has room for; it must
+    must stay within host_bytes when given; "resume": the mapped AdamW state's share of it when a run resumes). kv_tokens: the tokens of KV cache vLLM's share has room for; it must
     hold one whole sequence of the engine's max_model_len, seq_len + max_new_tokens (VLLMGenerator's), or vLLM
     refuses to start."""
     n, wb = shapes.n_params, (2 if bf16 else 4)
@@ -1713,9 +1722,11 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     p["rollout"] = resident + p["vllm"] + p["overhead"]
     p["update"] = resident + sum(p[k] for k in ("gathered", "grads", "activations", "logits", "overhead"))
     p["total"] = max(p["rollout"], p["update"])
-    # host memory per rank: the checkpoint as read before sharding; later the offloaded shards and the asleep
-    # vLLM engine's weights
-    p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0))
+    # host memory per rank: the checkpoint as read before sharding; on resume, the memory-mapped AdamW state
+    # (load_train_state: one copy in the page cache, shared by a machine's GPUS_PER_HOST ranks) beside it; later
+    # the offloaded shards and the asleep vLLM engine's weights
+    p["resume"] = 8 * train / min(world, GPUS_PER_HOST)
+    p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0)) + p["resume"]
     p["kv_tokens"] = int(max(0, p["vllm"] - 2 * n - VLLM_RESERVE) // shapes.kv_bytes_per_token())
     p["fits"] = (p["total"] <= gpu_bytes and (host_bytes is None or p["host"] <= host_bytes)
                  and (vllm_fraction == 0 or p["kv_tokens"] >= seq_len + max_new_tokens))

@@ -42,8 +42,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 import env
 from rollout import (LOGPROB_CHUNK, Scale, TINY_BASE, add_scale_args, all_reduce_sum, autocast, chatml_template,
                      check_flags, claim_or_stop, clip_grad, encode_conversation, load_model, load_optimizer_state,
-                     logprobs_chunked, open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint,
-                     set_thinking, setup_distributed, token_logprobs, unwrap)
+                     load_train_state, logprobs_chunked, open_metrics, pad_batch, render, resolve_checkpoint,
+                     save_checkpoint, set_thinking, setup_distributed, token_logprobs, unwrap)
 
 
 def main(argv=None):
@@ -134,7 +134,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     start, warm, state = 0, {}, {}
     if resume and os.path.isfile(os.path.join(out, "latest")):  # with LoRA: the base model and the saved adapter
         net, tok = load_model(model if lora_rank else out, **scale.load_kw)
-        state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False)
+        state = load_train_state(out)  # memory-mapped: AdamW's state is read shard by shard
         start = state["step"]
     elif tiny:
         tok, net, warm = tiny_model(convs, tiny, lr=lr, seed=seed, device=device,

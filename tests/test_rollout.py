@@ -6,6 +6,7 @@ import collections
 import copy
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -1271,7 +1272,7 @@ def test_memory_plan_hand_checked():
     # CPU offload: none of it on the GPU, all of it in host memory
     o = rollout.memory_plan(s, world=8, fsdp=True, cpu_offload=True, beta=0.1)
     assert o["weights"] == o["grads"] == o["optimizer"] == o["reference"] == 0
-    assert o["host"] == 16 * N / 8 + 2 * N / 8
+    assert o["host"] == 16 * N / 8 + 2 * N / 8 + o["resume"]  # and, on resume, the mapped AdamW state
     # LoRA: a bf16 base, fp32 adapters with their gradients and AdamW states; the reference is the base itself
     T = s.lora_params(16)
     assert T == 36 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288))
@@ -1289,6 +1290,54 @@ def test_memory_plan_hand_checked():
     assert v["kv_tokens"] == int((40e9 - 2 * N - rollout.VLLM_RESERVE) // (36 * 2 * 8 * 128 * 2))
     assert v["rollout"] == v["weights"] + v["optimizer"] + 40e9 + rollout.OVERHEAD and v["fits"]
     assert not rollout.memory_plan(s, world=8, fsdp=True, vllm_fraction=0.2, gpu_bytes=80e9)["fits"]
+
+
+def test_memory_plan_kv_cache_holds_an_episode_and_a_turn():
+    """vLLM's max_model_len is --max-len + --max-new-tokens (VLLMGenerator): the plan's KV check counts the same,
+    so a share with room for the episode but not the extra turn does not fit (vLLM would refuse to start)."""
+    s = rollout.QWEN3["8B"]
+    v = rollout.memory_plan(s, world=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9,
+                            seq_len=16384)
+    room = v["kv_tokens"]
+    kw = dict(world=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9)
+    assert room > 16384
+    assert rollout.memory_plan(s, **kw, seq_len=16384, max_new_tokens=room - 16384)["fits"]
+    assert not rollout.memory_plan(s, **kw, seq_len=16384, max_new_tokens=room - 16384 + 1)["fits"]
+
+
+def test_memory_plan_counts_the_mapped_optimizer_state_on_resume():
+    """On resume every rank maps train_state.pt (load_train_state): the fp32 AdamW state, 8 bytes per trained
+    parameter, is one copy per machine, shared by its ranks; it sits in host memory beside the checkpoint read."""
+    s = rollout.QWEN3["14B"]
+    p = rollout.memory_plan(s, world=8, fsdp=True, activation_checkpointing=True)
+    assert p["resume"] == 8 * s.n_params / 8 and p["host"] == 2 * s.n_params + p["resume"]
+    lo = rollout.memory_plan(s, lora_rank=16)
+    assert lo["resume"] == 8 * s.lora_params(16)
+
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_resume_maps_the_optimizer_state_instead_of_reading_it(tmp_path):
+    """load_train_state maps train_state.pt: loading a 256 MB AdamW state adds almost nothing to this process's
+    resident memory until its tensors are touched (every rank used to hold the whole state: 118 GB per rank
+    for Qwen3-14B). Negative control: a plain torch.load of the same file adds all of it."""
+    ck = tmp_path / "step_000001"
+    ck.mkdir()
+    (tmp_path / "latest").write_text("step_000001")
+    n = 2 ** 25  # 2 x 32M fp32 values: 256 MB
+    torch.save({"step": 1, "optimizer": {"state": {0: {"exp_avg": torch.ones(n), "exp_avg_sq": torch.ones(n)}}}},
+               ck / "train_state.pt")
+    before = rss()
+    state = rollout.load_train_state(str(tmp_path))
+    mapped = rss() - before
+    assert state["step"] == 1 and float(state["optimizer"]["state"][0]["exp_avg"][-1]) == 1.0
+    before = rss()
+    whole = torch.load(ck / "train_state.pt", weights_only=False)
+    read = rss() - before
+    assert mapped < 32e6 and read > 200e6, (mapped, read)
+    del whole
 
 
 def test_memory_plan_flags_and_table(capsys):
