@@ -1659,12 +1659,33 @@ class Shapes:
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         return self.layers * rank * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
 
-    def activations_per_token(self):
-        """Values one layer keeps for its backward, per token: two norms' inputs and outputs (4h); q and k before
-        and after their norms and rotary embedding, v, and the attention output (4 q + 4 kv, counting q and k
-        thrice, v once, o once, plus the attention's own saves); gate, up, silu(gate) and their product (4i)."""
-        return 4 * self.hidden + 4 * self.heads * self.head_dim + 4 * self.kv_heads * self.head_dim \
-            + 4 * self.intermediate
+    def activation_bytes(self, mode):
+        """Bytes one decoder layer keeps for its backward, per token, by how the run computes (`mode`):
+        "bf16": bf16 weights (FSDP2's mixed precision), so bf16 activations, except that each RMSNorm keeps an
+            fp32 copy of its input (Qwen3's norm computes in fp32): 16 h + 10 q + 10 kv + 8 i;
+        "autocast": fp32 weights under bf16 autocast (--fsdp off on a GPU): the residual stream and the norms
+            stay fp32, each matmul keeps its own bf16 cast of its input: 24 h + 10 q + 10 kv + 8 i;
+        "lora": a frozen bf16 base with fp32 adapters under autocast: peft casts each projection's input to the
+            adapters' dtype, a copy per projection: 18 h + 10 q + 8 kv + 8 i, plus 34 bytes per attention head;
+        "fp32": everything fp32 (the CPU): 24 h + 16 q + 16 kv + 16 i.
+        (h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate; 12 bytes per head of
+        attention statistics besides.) The coefficients were counted on a CPU with saved_tensors_hooks over
+        random Qwen3 shapes (tests/test_rollout.py checks held-out shapes within 15%): "bf16", "lora" and "fp32"
+        as measured (CPU autocast stands in for CUDA's in "lora"); "autocast" reasons from "bf16" (norms and
+        residual fp32, as in "fp32"), since CPU autocast casts different ops than CUDA's."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"bf16": 16 * h + 10 * q + 10 * kv + 8 * i + 12 * self.heads,
+                "autocast": 24 * h + 10 * q + 10 * kv + 8 * i + 12 * self.heads,
+                "lora": 18 * h + 10 * q + 8 * kv + 8 * i + 34 * self.heads,
+                "fp32": 24 * h + 16 * q + 16 * kv + 16 * i + 12 * self.heads}[mode]
+
+    def root_activation_bytes(self, mode):
+        """Per token, outside the layers: the final norm's saves (its weight frozen under LoRA: little)."""
+        return {"bf16": 7, "autocast": 10, "lora": 1, "fp32": 10}[mode] * self.hidden
+
+    def residual_bytes(self, mode):
+        """Bytes per value of the residual stream (what activation checkpointing keeps at each layer's input)."""
+        return 2 if mode in ("bf16", "lora") else 4
 
     def kv_bytes_per_token(self, dtype_bytes=2):  # keys and values of every layer: what vLLM's cache holds per token
         return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
@@ -1679,6 +1700,12 @@ QWEN3 = {
     "14B": Shapes(5120, 40, 17408, 40, 8),
     "32B": Shapes(5120, 64, 25600, 64, 8),
 }
+
+
+def activation_mode(*, fsdp, lora_rank, bf16):
+    """How a training forward computes, for Shapes.activation_bytes: a LoRA base is bf16 under autocast, FSDP2
+    computes in bf16 weights, DDP or one GPU in fp32 weights under bf16 autocast; without bf16, fp32."""
+    return "fp32" if not bf16 else "lora" if lora_rank else "bf16" if fsdp else "autocast"
 
 
 def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
@@ -1711,9 +1738,11 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     else:  # autocast keeps a bf16 copy of every matmul weight from forward to backward
         p["gathered"] = 2 * (shapes.layers * shapes.layer_params() + shapes.vocab * shapes.hidden) \
             if bf16 and not lora_rank else 0
-    per_layer = tokens * shapes.activations_per_token() * wb
-    p["activations"] = (shapes.layers * tokens * shapes.hidden * wb + per_layer if activation_checkpointing
-                        else shapes.layers * per_layer)
+    mode = activation_mode(fsdp=fsdp, lora_rank=lora_rank, bf16=bf16)
+    per_layer = tokens * shapes.activation_bytes(mode)
+    root = tokens * shapes.root_activation_bytes(mode)
+    p["activations"] = root + (shapes.layers * tokens * shapes.hidden * shapes.residual_bytes(mode) + per_layer
+                               if activation_checkpointing else shapes.layers * per_layer)
     # a chunk's bf16 logits and four fp32 (rows, vocab) tensors: logits, log-probs, their exp, the gradient
     p["logits"] = min(chunk, tokens) * shapes.vocab * (2 + 4 * 4)
     p["vllm"] = vllm_fraction * gpu_bytes
