@@ -1719,9 +1719,9 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     (the engine's share, asleep during the update), overhead; then the peaks of the two phases: rollout (resident
     state + vLLM) and update (resident state + gradients + activations), total = the larger, and fits.
     FSDP divides what is sharded by `world`; cpu_offload moves it to host memory ("host": bytes per rank, which
-    must stay within host_bytes when given; "resume": the mapped AdamW state's share of it when a run resumes). kv_tokens: the tokens of KV cache vLLM's share has room for; it must
-    hold one whole sequence of the engine's max_model_len, seq_len + max_new_tokens (VLLMGenerator's), or vLLM
-    refuses to start."""
+    must stay within host_bytes when given; "resume": the mapped AdamW state's share of it when a run resumes).
+    kv_tokens: the tokens of KV cache vLLM's share has room for; it must hold one whole sequence of the engine's
+    max_model_len, seq_len + max_new_tokens (VLLMGenerator's), or vLLM refuses to start."""
     n, wb = shapes.n_params, (2 if bf16 else 4)
     train = shapes.lora_params(lora_rank) if lora_rank else n
     frozen = n if lora_rank else 0

@@ -1381,7 +1381,8 @@ def test_activation_term_matches_what_the_forward_saves(mode):
         if mode == "lora":
             model = rollout.add_lora(model, rank=8, alpha=16)
         if ckpt:
-            rollout.hf_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            rollout.hf_model(model).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         got[ckpt] = saved_for_backward(model, ids, autocast=mode == "lora")
     measured = {False: got[False],
                 True: L * T * s.hidden * s.residual_bytes(mode) + got[True] + (got[False] - got[True]) / L}
