@@ -238,3 +238,55 @@ def test_grpo_backend_vllm_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2] and all(x["tokens_generated"] > 0 for x in rows)
     assert (out / "latest").read_text().strip() == "step_000002"
+
+
+def test_two_torchrun_ranks_with_external_launcher(small_path, tmp_path):
+    """torchrun, 2 ranks on gloo: each rank's engine joins the ranks' process group through vLLM's
+    external_launcher (what grpo.py does under torchrun), plays its own tasks greedily, equal to HFGenerator on
+    that rank, then takes a weight push (the same perturbation on both ranks) and matches again."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(29500 + os.getpid() % 2000), str(Path(__file__)),
+           small_path, str(tmp_path)]
+    e = {**os.environ, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO)}
+    r = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    assert got[0]["tasks"] != got[1]["tasks"]  # each rank played its own
+    for g in got:
+        assert g["backend"] == "external_launcher" and g["episodes"] == 4
+        assert g["same_before"] >= 3 and g["same_after"] >= 3 and g["changed"], g  # at most one near tie each
+        assert all(gap < TIE for gap in g["gaps"]), g
+
+
+def rank_main(path, out):
+    """One torchrun rank of test_two_torchrun_ranks_with_external_launcher."""
+    rank, world, _ = rollout.setup_distributed()
+    torch.set_num_threads(1)
+    model, tok = rollout.load_model(path)
+    gen = rollout.VLLMGenerator(path, tok, max_model_len=MAX_LEN + MAX_NEW, seed=SEED, dtype="float32",
+                                enforce_eager=True, kv_cache_memory_bytes=kv_budget(path))
+    db = synth.generate_shop(0)
+    tasks = synth.generate_tasks(db, 0, n_train=20, n_test=12)["test"][rank::world][:4]
+
+    def compare():
+        ours = episodes(rollout.HFGenerator(model, tok), tok, tasks, db, temperature=0.0)
+        theirs = episodes(gen, tok, tasks, db, temperature=0.0)
+        return sum(a.ids == b.ids for a, b in zip(ours, theirs)), greedy_divergences(model, ours, theirs), theirs
+    same_before, gaps, before = compare()
+    torch.manual_seed(0)  # the same perturbation on every rank: one policy
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    gen.load_weights(model)
+    same_after, gaps_after, after = compare()
+    res = {"backend": gen.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
+           "tasks": [t["id"] for t in tasks], "episodes": len(tasks), "same_before": same_before,
+           "same_after": same_after, "gaps": gaps + gaps_after,
+           "changed": [e.ids for e in before] != [e.ids for e in after]}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+    torch.distributed.barrier()
+    os._exit(0)  # past here only interpreter teardown, where gloo's threads sometimes abort
+
+
+if __name__ == "__main__":  # under torchrun, with the repository on PYTHONPATH
+    rank_main(*sys.argv[1:3])
