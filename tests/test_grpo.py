@@ -965,6 +965,8 @@ def test_gpu_check_cpu_smoke():
     template = SHARED / "templates" / "qwen3.jinja"
     r = run_py("tests/gpu_check.py", "--cpu-smoke", *(["--template", template] if template.is_file() else []))
     rows = [line for line in r.stdout.splitlines() if line.startswith("| tiny (smoke) |")]
-    assert [row.split(" | ")[1].split(" (")[0] for row in rows] == [
-        "SFT step", "GRPO rollout", "GRPO update", "sampler vs trainer log-probs"]
+    assert [row.split(" | ")[1].split(" (")[0].split(":")[0] for row in rows] == [
+        "forward+backward peak over resident", "resume", "SFT step", "GRPO rollout", "GRPO update",
+        "sampler vs trainer log-probs"]
     assert "max abs diff" in rows[-1] and "FSDP2 world size 1" in r.stdout
+    assert "max abs diff 0.00e+00" in rows[1]  # the resumed AdamW state is the saved one
