@@ -372,7 +372,7 @@ def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch,
             work = sorted((i for i in idx if beta > 0 or advs[i] != 0), key=lambda i: len(eps[i].ids))
             chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]
             # DDP all-reduces gradients inside every backward, FSDP all-gathers weights in every forward: each rank
-            # must run as many, so a rank with fewer chunks runs dummy ones (an episode with its loss times 0)
+            # must run as many, so a rank with fewer chunks runs dummy ones (dummy_batch, its loss times 0)
             n_chunks = int(all_reduce_max(torch.tensor(len(chunks))))
             for k in range(n_chunks):
                 if k < len(chunks):
