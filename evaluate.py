@@ -220,7 +220,7 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     for name, path in parse_models(models).items():
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
                                     thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
-                                    vllm_gpu_memory=vllm_gpu_memory)
+                                    vllm_gpu_memory=vllm_gpu_memory, max_model_len=max_len + max_new_tokens, seed=seed)
         make_agent, agents = endpoint_agents(chat, lambda task: env.TOOL_SCHEMAS, deadline=4 * llm_deadline,
                                              max_new_tokens=max_new_tokens, temperature=temperature)
         eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
@@ -237,7 +237,7 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
         if a["errored"]:
             print(f"  {name}: {errored_summary(eps)}", flush=True)
         every += [SimpleNamespace(errored=e.errored, error=e.error, end_reason=e.end_reason) for e in eps]
-        del gen
+        close(gen)
     write_results(out, results, markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1]))
     if all_errored(every):
         raise SystemExit(f"evaluate.py: {all_errored(every)}; nothing was scored (transcripts in {out})")
@@ -472,6 +472,12 @@ def bfcl_markdown(results, categories):
     return "\n".join(lines)
 
 
+def close(gen):
+    """One model's sampler done: a vLLM engine is shut down (its memory freed) before the next model's starts."""
+    if hasattr(gen, "shutdown"):
+        gen.shutdown()
+
+
 def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature, max_turns, max_new_tokens,
              max_len, seed, out, thinking=None, llm_concurrency=64, llm_deadline=300.0, vllm_gpu_memory=0.5):
     """Every model on the chosen BFCL categories; print and write the table. -> results dict."""
@@ -488,7 +494,7 @@ def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature,
         run_name = "mua_" + re.sub(r"\W", "_", name)  # bfcl-eval keys instances by it: no spaces, no '@'
         gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
                                     thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
-                                    vllm_gpu_memory=vllm_gpu_memory)
+                                    vllm_gpu_memory=vllm_gpu_memory, max_model_len=max_len + max_new_tokens, seed=seed)
         make_agent, agents = endpoint_agents(chat, lambda task: task["world"].tools, deadline=4 * llm_deadline,
                                              max_new_tokens=max_new_tokens, temperature=temperature)
         eps, worlds = bfcl_play(gen, tok, entries, run_name=run_name, make_agent=make_agent, fc=chat is not None,
@@ -502,7 +508,7 @@ def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature,
         print(f"{name}: {sum(r['valid'] for r in rows)} of {len(rows)} entries passed, "
               f"{sum(e is not None for e in errors)} endpoint errors", flush=True)
         failed += errors
-        del gen
+        close(gen)
     write_results(out, results, bfcl_markdown(results, categories))
     if failed and all(e is not None for e in failed):  # scored 0 as BFCL does, but nothing was measured
         raise SystemExit(f"evaluate.py: every entry's agent endpoint failed ({len(failed)} of {len(failed)}), the "

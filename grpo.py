@@ -44,9 +44,9 @@ from tqdm import tqdm
 import env
 from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_args, add_user_args, agent_system_prompt,
                      all_reduce_max, all_reduce_sum, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons,
-                     load_model, load_optimizer_state, logprobs_chunked, make_user_factory, open_metrics, pad_batch,
-                     require_vllm, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed,
-                     unwrap)
+                     load_model, load_optimizer_state, load_train_state, logprobs_chunked, make_user_factory,
+                     open_metrics, pad_batch, require_vllm, resolve_checkpoint, run_episodes, save_checkpoint,
+                     set_thinking, setup_distributed, unwrap)
 
 
 def main(argv=None):
@@ -141,11 +141,11 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         raise SystemExit("the transformers sampler cannot sample from a policy sharded over ranks (every FSDP "
                          "forward is a collective): use --backend vllm, or --fsdp off")
     scale.check_memory(model, beta=beta, vllm_fraction=vllm_gpu_memory if backend == "vllm" else 0.0,
-                       seq_len=max_len, micro_batch=micro_batch)
+                       seq_len=max_len, micro_batch=micro_batch, max_new_tokens=max_new_tokens)
     torch.manual_seed(seed)
     os.makedirs(out, exist_ok=True)
     resuming = resume and os.path.isfile(os.path.join(out, "latest"))
-    state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False) if resuming else {}
+    state = load_train_state(out) if resuming else {}  # memory-mapped: AdamW's state is read shard by shard
     # checkpoints hold merged weights: a LoRA run resumes from its base model and the saved adapter
     policy, tok = load_model(out if resuming and not lora_rank else model, **scale.load_kw)
     set_thinking(tok, thinking)
@@ -165,7 +165,10 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         load_optimizer_state(policy, opt, state["optimizer"])
         start = state["step"]
     if backend == "vllm":
-        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok, gpu_memory_utilization=vllm_gpu_memory)
+        # the engine holds one episode and one more turn; it sleeps through updates; it re-seeds the process
+        gen = VLLMGenerator(resolve_checkpoint(out if resuming else model), tok,
+                            max_model_len=max_len + max_new_tokens, seed=seed, sleep=True,
+                            gpu_memory_utilization=vllm_gpu_memory)
     else:
         gen = HFGenerator(unwrap(policy), tok)
     make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
@@ -350,6 +353,14 @@ def episode_batch(eps, advs, device):
     return ids, mask[:, 1:], attn, old[:, 1:], advs.to(device)
 
 
+def dummy_batch(device):
+    """What a rank with less work forwards and backwards so that its collectives match the others': one
+    2-token sequence of token 0 with no policy token (its loss, times 0, adds nothing)."""
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    zeros = torch.zeros((1, 1), device=device)
+    return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
+
+
 def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip, temperature,
            seed, device, world):
     """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
@@ -373,11 +384,15 @@ def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch,
             work = sorted((i for i in idx if beta > 0 or advs[i] != 0), key=lambda i: len(eps[i].ids))
             chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]
             # DDP all-reduces gradients inside every backward, FSDP all-gathers weights in every forward: each rank
-            # must run as many, so a rank with fewer chunks runs dummy ones (an episode with its loss times 0)
+            # must run as many, so a rank with fewer chunks runs dummy ones (dummy_batch, its loss times 0)
             n_chunks = int(all_reduce_max(torch.tensor(len(chunks))))
             for k in range(n_chunks):
-                sub, scale = (chunks[k], 1.0) if k < len(chunks) else (idx[:1], 0.0)
-                ids, mask, attn, old, adv = episode_batch([eps[i] for i in sub], advs[sub], device)
+                if k < len(chunks):
+                    ids, mask, attn, old, adv = episode_batch([eps[i] for i in chunks[k]], advs[chunks[k]], device)
+                    scale = 1.0
+                else:  # a dummy: this rank may hold no episode at all (--drop-zero-spread, many --mini-batches)
+                    ids, mask, attn, old, adv = dummy_batch(device)
+                    scale = 0.0
                 with autocast(device):
                     new, ent = forward_logprobs(model, ids, attn, temperature)
                     ref_lp = None

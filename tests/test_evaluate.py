@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import env
 import evaluate
@@ -574,3 +575,19 @@ def test_bfcl_run_whose_every_endpoint_failed_exits_nonzero(tmp_path, monkeypatc
     assert str(e.value.code).startswith("evaluate.py: every entry's agent endpoint failed (2 of 2), the first "
                                         "because dead endpoint;"), e.value.code
     assert [r["agent_error"] for r in util.read_jsonl(tmp_path / "remote.jsonl")] == ["dead endpoint"] * 2
+
+
+def test_vllm_evaluates_models_one_engine_at_a_time(world, fake_vllm, monkeypatch, tmp_path):
+    """Two models under --backend vllm, as on a GPU (CUDA said available): sleep mode (one engine per process)
+    stays off in evaluation, each model's engine is shut down before the next one starts, and each engine holds
+    an episode plus one turn (--max-len + --max-new-tokens) and gets the run's seed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(evaluate, "require_vllm", lambda: None)
+    import util
+    run_main(evaluate, models=[f"a={world.sft}", f"b={world.sft}"], backend="vllm", data_dir=world.data, n_tasks=2,
+             k=1, max_turns=1, max_len=700, max_new_tokens=24, seed=5, out=tmp_path / "eval")
+    ckpt = rollout.resolve_checkpoint(str(world.sft))
+    assert util.FakeLLM.events == [("start", ckpt), ("shutdown", ckpt)] * 2
+    for kw in util.FakeLLM.made:
+        assert kw["enable_sleep_mode"] is False and kw["max_model_len"] == 724 and kw["seed"] == 5
+    assert (tmp_path / "eval" / "a.jsonl").is_file() and (tmp_path / "eval" / "b.jsonl").is_file()

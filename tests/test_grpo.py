@@ -862,6 +862,55 @@ def test_fsdp_update_matches_one_process(tiny, tmp_path):
         assert want[case].abs().max() > 0
 
 
+def _empty_rank(rank, world, port, model, eps, advs, out):
+    """update() under FSDP2 where rank 1 holds no episode at all; rank 0 saves the gradients of its 3 steps."""
+    import os
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    policy = rollout.wrap_model(copy.deepcopy(model), fsdp=True, world=world, device="cpu", bf16=False)
+    opt = FullGrads(policy)
+    mine = slice(0, len(eps)) if rank == 0 else slice(0, 0)
+    grpo.update(policy, None, opt, eps[mine], advs[mine], **_args(micro_batch=1, mini_batches=3), device="cpu",
+                world=world)
+    if rank == 0:
+        torch.save(opt.grads, out)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_fsdp_update_with_a_rank_holding_no_episodes(tiny, tmp_path):
+    """A rank can keep no episodes (--drop-zero-spread dropped all its groups) and a mini-batch can be empty on a
+    rank (--mini-batches larger than its episodes): it must still run as many forwards as the others, on a dummy
+    batch, or the others wait in FSDP's all-gather until the timeout. 2 gloo ranks, rank 1 empty, 3 mini-batches
+    over 2 episodes (the third empty on both ranks): the gradients equal one process's (1e-6, fp32)."""
+    tok, model = tiny
+    eps = [_episode(tok, [0] * 3 + [1] * n + [0] * 2, s) for s, n in enumerate([2, 5])]
+    advs = torch.tensor([1.0, -1.0])
+    policy = copy.deepcopy(model)
+    want = FullGrads(policy)
+    grpo.update(policy, None, want, eps, advs, **_args(micro_batch=1, mini_batches=3), device="cpu", world=1)
+    port = 29500 + random.Random().randrange(2000)
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_empty_rank, args=(r, 2, port, model, eps, advs, tmp_path / "g.pt"), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]  # None: a rank hung
+    got = torch.load(tmp_path / "g.pt")
+    assert len(got) == len(want.grads) == 3
+    for g, w in zip(got, want.grads):
+        assert torch.allclose(g, w, atol=1e-6)
+    assert want.grads[0].abs().max() > 0 and want.grads[2].abs().max() == 0  # the third mini-batch is empty
+
+
 def test_lora_grpo_merged_checkpoints_and_exact_resume(world, tmp_path, monkeypatch):
     """--lora-rank: the reference for the KL term is the policy with its adapters off (no copy of the model);
     checkpoints hold merged weights that load_model reads as a plain model; a resumed run restores the adapter
@@ -892,7 +941,7 @@ def test_vllm_sleeps_through_the_update(world, fake_vllm, monkeypatch):
     for its KV cache, then drops its cached prefixes."""
     monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
     model, tok = rollout.load_model(str(world.sft))
-    gen = rollout.VLLMGenerator(str(world.sft), tok)
+    gen = rollout.VLLMGenerator(str(world.sft), tok, max_model_len=520, sleep=True)
     gen.sleeps = True  # as on CUDA
     real = grpo.update
     monkeypatch.setattr(grpo, "update", lambda *a, **k: gen.llm.calls.append(("update",)) or real(*a, **k))
@@ -904,6 +953,21 @@ def test_vllm_sleeps_through_the_update(world, fake_vllm, monkeypatch):
     assert rec["update_skipped"] == 0
     assert [c[0] for c in gen.llm.calls] == ["sleep", "update", "wake_up", "reload_weights", "wake_up",
                                              "reset_prefix_cache"]
+
+
+def test_vllm_engine_options_of_a_grpo_run(world, fake_vllm, monkeypatch, tmp_path):
+    """grpo.py --backend vllm asks for an engine that holds one episode plus one turn (--max-len +
+    --max-new-tokens: vLLM's default, the model's 40,960 positions for Qwen3, failed to start where the KV cache
+    holds less), that sleeps through updates (on CUDA), and that seeds the process with --seed (vLLM's default,
+    0, reset it)."""
+    import util
+    monkeypatch.setattr(grpo, "require_vllm", lambda: None)
+    asked = []
+    monkeypatch.setattr(grpo, "VLLMGenerator", lambda *a, **kw: asked.append(kw) or rollout.VLLMGenerator(*a, **kw))
+    run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, backend="vllm", max_len=700, seed=3))
+    assert asked[0]["sleep"] is True
+    kw = util.FakeLLM.made[0]
+    assert kw["max_model_len"] == 700 + 24 and kw["seed"] == 3
 
 
 def test_backend_vllm_without_vllm_names_the_install(world, tmp_path, monkeypatch):
@@ -919,8 +983,9 @@ def test_gpu_check_cpu_smoke():
     template = SHARED / "templates" / "qwen3.jinja"
     r = run_py("tests/gpu_check.py", "--cpu-smoke", *(["--template", template] if template.is_file() else []))
     rows = [line for line in r.stdout.splitlines() if line.startswith("| tiny (smoke) |")]
-    assert [row.split(" | ")[1].split(" (")[0] for row in rows] == [
-        "SFT step", "GRPO rollout", "GRPO update", "sampler vs trainer log-probs"]
+    assert [row.split(" | ")[1].split(" (")[0].split(":")[0] for row in rows] == [
+        "forward+backward peak over resident", "resume", "SFT step", "GRPO rollout", "GRPO update",
+        "sampler vs trainer log-probs"]
     assert "max abs diff" in rows[-1] and "FSDP2 world size 1" in r.stdout
 
 
@@ -992,3 +1057,6 @@ def test_llm_concurrency_reaches_the_user_endpoint(world, tmp_path, monkeypatch)
     monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
     run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, user="http://user/v1", llm_concurrency=5))
     assert dead.made == [("http://user/v1", 5)]
+
+
+    assert "max abs diff 0.00e+00" in rows[1]  # the resumed AdamW state is the saved one

@@ -494,6 +494,24 @@ def test_torchrun_fsdp_matches_single_process_and_resumes(small_data, tmp_path):
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
 
 
+@pytest.mark.slow
+def test_torchrun_fsdp_data_smaller_than_a_global_batch(small_data, tmp_path):
+    """6 conversations (1 held out, 5 to train on) against a global batch of 8 (2 ranks x 2 micro-batches of 2):
+    rank 0 gets 3 conversations (2 micro-batches), rank 1 gets 2 (1). Under FSDP each forward all-gathers, so
+    rank 1 must run a dummy second micro-batch or both ranks wait in different collectives until the timeout.
+    The losses equal one process's on the same global batches (1e-4 relative, fp32)."""
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join(small_data.read_text().splitlines(keepends=True)[:6]))
+    kw = dict(steps=2, d_model=32, n_layer=2, n_head=2, vocab_size=512, max_len=512, eval_every=100, save_every=100,
+              warmup=1, copy_warmup=0, copy_mix=0)
+    torchrun_sft(sft_args(data, tmp_path / "fsdp", batch_size=2, grad_accum=2, fsdp="on", **kw), tmp_path)
+    run_main(sft, **sft_args(data, tmp_path / "one", batch_size=8, **kw))
+    a, b = read_jsonl(tmp_path / "fsdp" / "metrics.jsonl"), read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    assert [x["tokens"] for x in a] == [x["tokens"] for x in b]
+    for x, y in zip(a, b):
+        assert math.isclose(x["loss"], y["loss"], rel_tol=1e-4), (x, y)
+
+
 def test_lora_sft_merged_checkpoint_and_exact_resume(world, tmp_path):
     """--lora-rank on a checkpoint: only the adapters train; the checkpoint is the merged plain model; a resumed
     run (base --model + the adapter and AdamW state from train_state.pt) continues as the uninterrupted one."""

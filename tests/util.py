@@ -170,8 +170,16 @@ class FakeLLM:
     """Stands in for vllm.LLM: records the engine's options, each generate call's SamplingParams and the calls
     around a weight push; generate answers every prompt with its stop token (an immediate end of turn)."""
 
+    events, made = [], []  # every engine's start and shutdown in order, every engine's options (reset by
+    # fake_vllm_module)
+
     def __init__(self, **kw):
+        from types import SimpleNamespace
         self.kw, self.calls, self.params = kw, [], []
+        FakeLLM.events.append(("start", kw.get("model")))
+        FakeLLM.made.append(kw)
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(
+            shutdown=lambda: FakeLLM.events.append(("shutdown", kw.get("model")))))
 
     def generate(self, prompts, params, use_tqdm=True):
         from types import SimpleNamespace
@@ -199,6 +207,7 @@ class FakeLLM:
 def fake_vllm_module():
     """A `vllm` module with FakeLLM, for sys.modules: SamplingParams keeps its keyword arguments as attributes."""
     from types import SimpleNamespace
+    FakeLLM.events, FakeLLM.made = [], []
     return SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: SimpleNamespace(**kw),
                            TokensPrompt=lambda prompt_token_ids: prompt_token_ids)
 
