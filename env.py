@@ -1395,11 +1395,17 @@ class Tau2Domain:
     def world(self, task):
         return Tau2World(self, self.tasks_by_id[task["id"]])
 
-    def score(self, task, messages, end_reason, basis="task"):
+    def score(self, task, messages, end_reason, basis="task", judge=None):
         """tau2's evaluator on an episode. basis 'task': the task's own reward basis; 'db': its database check
-        alone (agent's and user's databases against the gold actions replayed). -> a JSON-able dict."""
+        alone (agent's and user's databases against the gold actions replayed). NL assertions are judged by tau2's
+        judge on `judge` = (OpenAI-compatible URL, model name), else reported as not judged. -> a JSON-able dict."""
         T = tau2()
         ev, t = T["evaluator"], self.tasks_by_id[task["id"]]
+        nl = self.judge(t, messages, judge) if judge and t.evaluation_criteria.nl_assertions else None
+        if "NL_ASSERTION" in _bases(t):  # tau2 folds it into the reward; here it is kept apart, judged or not
+            t = t.model_copy(deep=True)
+            t.evaluation_criteria.reward_basis = [b for b in t.evaluation_criteria.reward_basis
+                                                  if getattr(b, "value", b) != "NL_ASSERTION"]
         ok = end_reason in ("user_stop", "transfer", "out_of_scope")  # tau2 ends these as user or agent stops
         stop = T["sim"].TerminationReason
         run = T["sim"].SimulationRun(id=f"{t.id}", task_id=t.id, start_time="", end_time="", duration=0.0,
@@ -1415,11 +1421,27 @@ class Tau2Domain:
         checks += [c.met for c in info.env_assertions or []] if "ENV_ASSERTION" in _bases(t) else []
         checks += [c.action_match for c in info.action_checks or []] if "ACTION" in _bases(t) else []
         checks += [c.met for c in info.communicate_checks or []] if "COMMUNICATE" in _bases(t) else []
+        breakdown = {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()}
         return {"reward": float(db_ok) if basis == "db" else float(info.reward), "basis": basis,
                 "task_reward": float(info.reward), "db_match": db_ok, "met": int(sum(checks)) if ok else 0,
                 "criteria": criteria_count(t), "nl_assertions": len(t.evaluation_criteria.nl_assertions or []),
-                "terminated": "ok" if ok else end_reason, "breakdown": {str(getattr(k, "value", k)): v for k, v in
-                                                                       (info.reward_breakdown or {}).items()}}
+                "nl_met": nl, "terminated": "ok" if ok else end_reason, "breakdown": breakdown}
+
+
+    @staticmethod
+    def judge(task, messages, judge):
+        """tau2's NL-assertion judge on an OpenAI-compatible endpoint: judge = (URL, model). -> [met, ...]."""
+        from tau2.evaluator import evaluator_nl_assertions as nl
+        url, model = judge
+        nl.DEFAULT_LLM_NL_ASSERTIONS = f"openai/{model}"  # litellm's route to any OpenAI-compatible server
+        nl.DEFAULT_LLM_NL_ASSERTIONS_ARGS = {"temperature": 0.0, "api_base": url,
+                                             "api_key": os.environ.get("OPENAI_API_KEY", "EMPTY")}
+        try:
+            info = nl.NLAssertionsEvaluator.calculate_reward(task, tau2_messages(messages))
+            return [bool(c.met) for c in info.nl_assertions or []]
+        except Exception as e:  # noqa: BLE001 - a judge that fails judges nothing; said so, never a pass or fail
+            print(f"NL judge failed on task {task.id}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            return None
 
 
 def _bases(task):

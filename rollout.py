@@ -1268,12 +1268,13 @@ def make_user_factory(spec=None, model_name=None, guidelines=None, concurrency=6
     return lambda task, seed: env.LLMUser(task, backend, seed, guidelines=text, **llm_user_kw)
 
 
-def tau2_episode_kw(domain, reward_basis="task"):
+def tau2_episode_kw(domain, reward_basis="task", judge=None):
     """run_episodes' keyword arguments that play a tau2 domain (env.Tau2Domain) on tau2's own code: a fresh world
     per episode, tau2's tool schemas and policy, every call (the user's too) through tau2's environment, and tau2's
-    evaluator as the scorer: reward_basis "task" scores the task's own reward basis, "db" its database check."""
+    evaluator as the scorer: reward_basis "task" scores the task's own reward basis, "db" its database check;
+    judge = (URL, model) has tau2's judge rate the NL assertions."""
     def score(ep, task):
-        ep.reward_info = domain.score(task, ep.messages, ep.end_reason, reward_basis)
+        ep.reward_info = domain.score(task, ep.messages, ep.end_reason, reward_basis, judge)
         ep.reward = ep.reward_info["reward"]
     return dict(db=domain.world, tools=domain.tools, system_prompt=agent_system_prompt(text=domain.policy),
                 call_tool=env.tau2_call, call_user_tool=env.tau2_user_call, score=score)
