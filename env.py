@@ -1312,6 +1312,12 @@ def tau2_domain_of(tasks_path):
     return name if name in TAU2_DOMAINS and any((p.parent / f).is_file() for f in ("db.json", "db.toml")) else None
 
 
+def is_installed_tau2_data(path):
+    """Whether `path` lies in the installed tau2 package's own data folder."""
+    from tau2.utils import DATA_DIR
+    return Path(DATA_DIR).resolve() in Path(path).resolve().parents
+
+
 class CowDict(dict):
     """A table of the pristine database whose records are deep-copied on first touch, so an episode's world costs
     a shallow copy (airline's 7 MB: under 1 ms) instead of a deep one (~400 ms). pydantic's dump (tau2's hash)

@@ -200,8 +200,10 @@ def main(argv=None):
     bench, bfcl_kw = a.pop("bench"), {k: a.pop(k) for k in ("categories", "n", "batch")}
     tau2_kw = {k: a.pop(k) for k in ("domain", "split", "judge", "judge_model")}
     tasks_domain = env.tau2_domain_of(a["tasks"])
-    # tau2's own tasks run on tau2's code where it is installed; retail alone also runs on env.py's world without it
-    if bench == "tau2" and (tau2_kw["domain"] or tasks_domain and (tasks_domain != "retail" or env.has_tau2())):
+    # airline and telecom tasks run on tau2's code (only there); retail's run there when they are the installed
+    # tau2's own, else on env.py's world, which follows the newer tau2 (../shared: get_item_details) and needs no tau2
+    own = tasks_domain == "retail" and env.has_tau2() and env.is_installed_tau2_data(a["tasks"])
+    if bench == "tau2" and (tau2_kw["domain"] or tasks_domain and (tasks_domain != "retail" or own)):
         tau2_kw["domain"] = tau2_kw["domain"] or [tasks_domain]
         drop = ("data_dir", "policy_file", "backend")
         return run_tau2(**tau2_kw, backend=a["backend"], **{k: v for k, v in a.items() if k not in drop})

@@ -810,11 +810,14 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         gen.kv = {}  # caches from an earlier call may come from older weights
     users = [make_user(t, seed * 100003 + i) for i, t in enumerate(tasks)]
     agents = [make_agent(t, seed * 100003 + i) for i, t in enumerate(tasks)] if make_agent else None
-    for ep, first, ts in zip(eps, env.start_all(users), ep_tools):
-        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-        ep.messages = system + [{"role": "user", "content": first}]
+    firsts = env.start_all(users)
+    for ep in eps:
+        ep.messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    firsts = user_side(eps, users, list(range(len(eps))), firsts, call_user_tool, max_turns)  # may use its tools
+    for ep, first, ts in zip(eps, firsts, ep_tools):
+        ep.messages.append({"role": "user", "content": first})
         if tok:
-            _append(ep, encode(tok, render(tok, ep.messages, ts, add_generation_prompt=True)), 0)
+            _append(ep, encode(tok, render(tok, agent_view(ep.messages), ts, add_generation_prompt=True)), 0)
     _check_users(eps, users, range(len(eps)))
     eot = end_of_turn(tok) if tok else ""
     for step in range(max_turns):
