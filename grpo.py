@@ -5,6 +5,7 @@ calling real tools, and learns from the 0/1 task reward alone with GRPO (no valu
     python grpo.py --model out/sft                       # CPU demo: SFT model, scripted user (the default)
     python grpo.py --model tests/tiny_base --out out/grpo_rl_only  # RL only, from the base (no cold start)
     python grpo.py --model out/sft --user smollm2 --steps 3        # SmolLM2-135M-Instruct plays the user
+    python grpo.py --model out/sft --domain airline --split train   # a tau2 domain on tau2's code (gold-replay user)
 
 GPU recipe of the paper (Qwen3-8B after cold-start SFT; 8 x 80 GB; a vLLM server elsewhere for the user). FSDP2
 with activation checkpointing; each rank's vLLM engine takes 70% of its GPU while it samples and sleeps while the

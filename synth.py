@@ -8,6 +8,7 @@ keeps only the conversations whose final database is right (reward 1), as OpenAI
     python synth.py --agent http://localhost:8000/v1 --agent-model Qwen/Qwen3-8B   # a teacher LLM plays the agent
     python synth.py --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B     # an LLM plays the user
     python synth.py --mcp-server --db data/shop.json  # only serve env.py's tools over MCP (stdio)
+    python synth.py --domain telecom --split train    # tau2's train split on tau2's code (gold replay or --agent URL)
 
 Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (the generated shop and its splits,
 once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}.
