@@ -354,7 +354,7 @@ def run_tau2(*, models, domain, split, judge, judge_model, backend, tasks, db, n
                     ep.errored, ep.end_reason, ep.error = True, "agent_error", agent.error
             write_transcripts(os.path.join(out, f"{name}_{dom}.jsonl"), eps)
             s = results[name][dom] = summarize_tau2(eps, ks, d)
-            print(f"{name} / {dom}: pass^1 {_fmt(s['pass^1'])} over {s['n']} tasks ({split} split), "
+            print(f"{name} / {dom}: pass^1 {_fmt(s['pass^1'])} over {s['n']} tasks ({tasks or split + ' split'}), "
                   f"{s['errored']} errored episodes; {s['world']}", flush=True)
         del gen
     write_results(out, results, markdown_tau2(results, [n for n in (1, 2, 3, 4) if n <= k]))

@@ -337,3 +337,19 @@ def test_synth_tau2_gold_conversations_train_sft(tmp_path):
     assert len(rows) == 6 and all(r["reward"] == 1.0 and r["task_id"] in train for r in rows)
     assert any(m.get("side") == "user" for r in rows for m in r["messages"])
     assert all(m.get("side") != "user" for r in rows for m in rollout.agent_view(r["messages"]))
+
+
+@pytest.mark.slow
+def test_evaluate_airline_by_path(tmp_path):
+    """`evaluate.py --tasks <tau2>/airline/tasks.json --db <tau2>/airline/db.json` (which used to stop on a missing
+    'products') runs on tau2's code: a table with a 95% interval, the world named, every transcript beside it."""
+    import evaluate
+    from tau2.domains.airline.utils import AIRLINE_DB_PATH, AIRLINE_TASK_SET_PATH
+    res = evaluate.main(["--models", f"tiny={rollout.TINY_BASE}", "--tasks", str(AIRLINE_TASK_SET_PATH), "--db",
+                         str(AIRLINE_DB_PATH), "--n-tasks", "2", "--k", "2", "--max-turns", "2", "--out",
+                         str(tmp_path)])
+    s = res["tiny"]["airline"]
+    assert s["n"] == 2 and s["world"].startswith(f"tau2 {domain('airline').version}")
+    assert s["pass^1_ci95"] is not None and s["nl_assertions"]["judged"] == 0 < s["nl_assertions"]["episodes"]
+    assert len(util.read_jsonl(tmp_path / "tiny_airline.jsonl")) == 4
+    assert "pass^2 [95% CI]" in (tmp_path / "results.md").read_text()
