@@ -352,3 +352,43 @@ def test_evaluate_airline_by_path(tmp_path):
     assert s["pass^1_ci95"] is not None and s["nl_assertions"]["judged"] == 0 < s["nl_assertions"]["episodes"]
     assert len(util.read_jsonl(tmp_path / "tiny_airline.jsonl")) == 4
     assert "pass^2 [95% CI]" in (tmp_path / "results.md").read_text()
+
+
+class FakeJudge(util.FakeOpenAIServer):
+    """An OpenAI-compatible judge in tau2's NL-assertion format: the first assertion met, the others not; or an
+    endpoint that answers 500 to everything (fail=True)."""
+
+    def __init__(self, fail=False):
+        super().__init__()
+        self.fail, self.requests = fail, []
+
+    def answer(self, path, body):
+        self.requests.append(body)
+        if self.fail:
+            return 500, {"error": {"message": "down"}}
+        asked = body["messages"][-1]["content"]
+        results = [{"expectedOutcome": a, "reasoning": "r", "metExpectation": i == 0}
+                   for i, a in enumerate(["greets", "refunds"]) if a in asked]
+        content = __import__("json").dumps({"results": results})
+        return 200, {"id": "x", "object": "chat.completion", "model": body["model"], "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+
+
+def test_nl_assertions_judged_on_an_endpoint_or_reported_unjudged():
+    """evaluate.py --judge: tau2's NL-assertion judge runs on an OpenAI-compatible endpoint and its verdicts come
+    back per assertion; a judge that fails judges nothing (None: 'not judged'), never a pass or a fail."""
+    d = domain("retail")
+    tid = d.tasks("test")[0]["id"]
+    t = d.tasks_by_id[tid].model_copy(deep=True)
+    t.evaluation_criteria.nl_assertions = ["greets", "refunds"]
+    messages = [{"role": "user", "content": "Hi, I want a refund."}, {"role": "assistant", "content": "Hello!"}]
+    ok, down = FakeJudge(), FakeJudge(fail=True)
+    try:
+        assert env.Tau2Domain.judge(t, messages, (ok.url, "judge-model")) == [True, False]
+        assert ok.requests and "refunds" in ok.requests[0]["messages"][-1]["content"]
+        assert ok.requests[0]["model"] == "judge-model"
+        assert env.Tau2Domain.judge(t, messages, (down.url, "judge-model")) is None
+        assert down.requests  # it was asked, and failed
+    finally:
+        ok.close()
+        down.close()
