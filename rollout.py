@@ -847,9 +847,10 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
         ep.messages.append({"role": "user", "content": first})
         if tok:
             _append(ep, encode(tok, render(tok, agent_view(ep.messages), ts, add_generation_prompt=True)), 0)
-            if len(ep.ids) >= max_tokens:  # the prompt alone fills the episode (a long policy): nothing to sample
-                ep.end_reason = "max_tokens"
-    _check_users(eps, users, range(len(eps)))
+    _check_users(eps, users, range(len(eps)))  # first: a user that failed at its first message errored the episode
+    for ep in eps:
+        if tok and not ep.end_reason and len(ep.ids) >= max_tokens:  # the prompt alone fills the episode (a long
+            ep.end_reason = "max_tokens"                             # policy): nothing to sample
     eot = end_of_turn(tok) if tok else ""
     for step in range(max_turns):
         live = [i for i, ep in enumerate(eps) if not ep.end_reason]
