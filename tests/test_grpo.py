@@ -2,6 +2,7 @@
 easy task, DDP; and grpo.py end to end (metrics, checkpoints, resume, the reference model only when beta > 0,
 --drop-zero-spread, torchrun on CPU)."""
 
+import contextlib
 import copy
 import json
 import math
@@ -264,6 +265,73 @@ def test_short_grpo_run_learns_easy_task():
     after = _success(gen, tok, db, task, oid, 48, seed=2)
     print(f"easy task: success {before:.2f} -> {after:.2f} after 25 GRPO steps")
     assert after >= before + 0.15, (before, after)
+
+
+# The demo's own world: tests/tiny_sft is `python sft.py` (600 steps) on `python synth.py`'s data, both seed 0
+# (tests/tiny_sft/provenance.json). On the training split it solves cancellations and payment changes often,
+# information requests often, the other kinds almost never; GRPO can move the first ones only.
+TINY_SFT = REPO / "tests" / "tiny_sft"
+LEARN_KINDS = ("modify_payment", "info")  # the kinds where its groups have spread (success 0.6-0.9 at T=1)
+
+
+def _train_reward(model, tok, tasks, shop, *, seed, n=16):
+    """The mean task reward (database and communicated info: what evaluate.py scores and the demo trains on) of
+    n sampled episodes per task at GRPO's temperature, 1. Called with the same seed before and after training:
+    the same users and the same sampling noise, so the difference is the policy's (and 0 if it did not move)."""
+    eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, [t for t in tasks for _ in range(n)], shop,
+                               rollout.make_user_factory(), max_turns=16, max_tokens=1024, max_new_tokens=64,
+                               temperature=1.0, seed=seed, check_communicate=True)
+    return sum(e.reward for e in eps) / len(eps)
+
+
+def grpo_learning_curve(shop, train, *, seed, arm="grpo", steps=15, lr=1e-4):
+    """GRPO (grpo_step, B=4 tasks x G=8 rollouts, the scripted user) from tests/tiny_sft on the first 8 training
+    tasks of LEARN_KINDS. arm "blank": every training reward is 0; "flip": the advantages' sign is flipped (the
+    policy is pushed away from what succeeded). -> (train reward before, after, the step records)."""
+    from unittest import mock
+    torch.manual_seed(seed)
+    tasks = [t for t in train if t["kind"] in LEARN_KINDS][:8]
+    model, tok = rollout.load_model(TINY_SFT)
+    before = _train_reward(model, tok, tasks, shop, seed=10_000 + seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    kw = dict(rank=0, world=1, device="cpu", seed=seed, batch_tasks=4, group=8, drop_zero_spread=False,
+              mean_only=False, update_kw=_args(grad_clip=1.0),
+              episode_kw=dict(max_turns=16, max_tokens=1024, max_new_tokens=64, temperature=1.0,
+                              check_communicate=True))
+    zero_reward = lambda *a, **k: env.RewardInfo(reward=0.0, db_match=False, communicate_ok=False, failed="db")
+    flipped = lambda *a, **k: -ADVANTAGES(*a, **k)
+    with mock.patch.object(env, "compute_reward", zero_reward) if arm == "blank" else mock.patch.object(
+            grpo, "group_advantages", flipped) if arm == "flip" else contextlib.nullcontext():
+        gen = rollout.HFGenerator(model, tok)
+        recs = [grpo.grpo_step(model, None, opt, gen, tok, tasks, shop, rollout.make_user_factory(), step=s, **kw)
+                for s in range(steps)]
+    return before, _train_reward(model, tok, tasks, shop, seed=10_000 + seed), recs
+
+
+ADVANTAGES = grpo.group_advantages
+# Calibrated on seeds 0-2 (`PYTHONPATH=. python tests/test_grpo.py calibrate`, 2026-12-05; the same numbers with one
+# thread and with two): the train reward gains +0.078 / +0.062 / +0.156 (grpo arm), -0.109 / -0.055 / -0.078 (flip
+# arm); the blank arm never updates, so its gain is exactly 0. The bar is half the smallest gain of the grpo arm.
+LEARN_MARGIN = 0.03
+
+
+@pytest.mark.slow
+def test_grpo_learns_on_the_demos_training_tasks(shop, splits):
+    """GRPO raises the training reward of the demo's own SFT model on its own training tasks, and the same run
+    fails the same bar with the reward blanked or the advantage's sign flipped (the negative controls)."""
+    if not (TINY_SFT / "model.safetensors").is_file():
+        pytest.skip("tests/tiny_sft is not in this checkout")
+    before, after, recs = grpo_learning_curve(shop, splits["train"], seed=0)
+    print(f"grpo: train reward {before:.3f} -> {after:.3f}")
+    assert sum(r["update_skipped"] for r in recs) < len(recs) // 2, "most steps should have groups with spread"
+    assert after - before >= LEARN_MARGIN, (before, after)
+    # blanked: every group has zero spread, so no step updates; 3 steps show it as well as 15 (the same weights)
+    b0, b1, recs = grpo_learning_curve(shop, splits["train"], seed=0, arm="blank", steps=3)
+    assert all(r["update_skipped"] == 1 and r["reward_mean"] == 0.0 for r in recs)  # no spread, so no update
+    assert b1 - b0 < LEARN_MARGIN and b1 == b0 == before  # the policy did not move at all
+    f0, f1, _ = grpo_learning_curve(shop, splits["train"], seed=0, arm="flip")
+    print(f"flipped advantage: train reward {f0:.3f} -> {f1:.3f}")
+    assert f1 - f0 < LEARN_MARGIN and f1 < f0, (f0, f1)
 
 
 def _ddp_rank(rank, world, port, model, eps, advs, out):
@@ -1058,3 +1126,18 @@ def test_llm_concurrency_reaches_the_user_endpoint(world, tmp_path, monkeypatch)
     monkeypatch.setattr(rollout, "OpenAIChatBackend", dead.Backend)
     run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, user="http://user/v1", llm_concurrency=5))
     assert dead.made == [("http://user/v1", 5)]
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_grpo.py calibrate: the learning test's arms, seeds 0-2
+    import sys
+    assert sys.argv[1:] == ["calibrate"], "usage: python tests/test_grpo.py calibrate"
+    torch.set_num_threads(1)  # as the tests run (tests/conftest.py one_thread)
+    shop = synth.generate_shop(0)
+    train = synth.generate_tasks(shop, 0)["train"]
+    for seed in (0, 1, 2):
+        for arm in ("grpo", "flip"):
+            t0 = time.time()
+            b, a, recs = grpo_learning_curve(shop, train, seed=seed, arm=arm)
+            print(json.dumps(dict(seed=seed, arm=arm, before=round(b, 3), after=round(a, 3), gain=round(a - b, 3),
+                                  skipped=sum(r["update_skipped"] for r in recs), sec=round(time.time() - t0))),
+                  flush=True)
