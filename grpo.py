@@ -15,21 +15,33 @@ policy trains (rollout.print_memory_plan: 68.5 GiB peak per GPU; the run checks 
         --micro-batch 1 --fsdp on --activation-checkpointing on --vllm-gpu-memory 0.7 \
         --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B
 
-One step: sample B train tasks; play G rollouts of each (temperature 1.0) through rollout.run_episodes with
-the user in the loop; reward each with env.compute_reward (--reward-basis db: the database check, the paper's;
-task: also the information the agent had to say, as evaluate.py scores); advantage = (r - group mean) / (group
-std + eps); PPO-clipped policy loss against the log-probs frozen at rollout time, summed over the policy's own
-tokens and divided by their number in the whole global batch; optional k3 KL to a frozen reference (beta 0: no
-reference model is loaded). Groups whose rewards are all equal carry no gradient: they are counted, logged,
-and (--drop-zero-spread) replaced by fresh groups; a step in which every group is so skips the update.
+One step (grpo_step, the first function below): sample B train tasks; play G rollouts of each (temperature 1.0)
+with the user in the loop; reward each 0/1 (--reward-basis: REWARD_BASIS_LINE); advantage = (r - group mean) /
+(group std + 1e-4); PPO-clipped policy loss against the log-probs frozen at rollout time, summed over the
+policy's own tokens and divided by their number in the whole global batch; optional k3 KL to a frozen reference
+(beta 0: no reference model is loaded). Groups whose rewards are all equal carry no gradient: they are counted,
+logged, and (--drop-zero-spread) replaced by fresh groups; a step in which every group is so skips the update.
+
+A reading path through the method, in this order:
+  1. grpo.py: grpo_step, collect, group_advantages, policy_loss, update (the next ~200 lines). train(), below
+     them, is the loop around the step: setup, task sampling, logging, checkpoints.
+  2. rollout.py, section "episodes": run_episodes, the multi-turn loop (generate a turn; run its tool calls on the
+     episode's own database, or hand its text to the user), and shop_reward, the reward it calls.
+  3. env.py: the tools, compute_reward (the gold actions replayed on a fresh copy, database hashes compared) and
+     ScriptedUser, the simulated customer.
+Skip on a first reading: rollout.Scale (FSDP2, LoRA, the memory plan), VLLMGenerator, and the machinery for
+several ranks after update (balanced_chunks, any_rank); alone on one device none of it changes a number.
 
 What is simplified, and why:
-1. No value model, no reward model: the reward is the task's 0/1 database check (the paper's), and the group
-   of G rollouts of one task is the baseline.
+1. No value model, no reward model: the reward is the task's 0/1 check, and the group of G rollouts of one task
+   is the baseline.
 2. Rollouts and training share one process (and one GPU): the transformers sampler reads the live weights,
    and the vLLM engine gets them pushed (bf16, LoRA merged) after every update. No separate inference service.
-3. One optimizer step per batch by default (--ppo-epochs 1 --mini-batches 1), so the PPO ratio starts at 1
-   and clipping only matters when you ask for more.
+3. One optimizer step per batch by default (--ppo-epochs 1 --mini-batches 1), so the PPO ratio starts at 1 up to
+   the difference between the sampler's log-probs and the trainer's (a KV-cached or a bf16 vLLM forward against
+   the training forward; tests/gpu_check.py measures it), and clipping only matters when you ask for more.
+4. Tasks are drawn uniformly, as in the paper. --task-sampling spread (a curriculum by running success) and
+   --drop-zero-spread (DAPO's dynamic sampling) come from later work and are off by default.
 """
 import argparse
 import collections
@@ -47,7 +59,208 @@ from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_ar
                      all_reduce_max, all_reduce_sum, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons,
                      load_model, load_optimizer_state, load_train_state, logprobs_chunked, make_user_factory,
                      open_metrics, pad_batch, require_vllm, resolve_checkpoint, run_episodes, save_checkpoint,
-                     set_thinking, setup_distributed, tau2_episode_kw, tau2_user_factory, unwrap)
+                     set_thinking, setup_distributed, shop_reward, tau2_episode_kw, tau2_user_factory, unwrap)
+
+
+# ----------------------------------------------------------------------------------------------------
+# one GRPO step: the whole algorithm. Read this first; collect and update come right after it.
+
+
+def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, world, device, seed, batch_tasks,
+              group, drop_zero_spread, mean_only, episode_kw, update_kw, reward=None, weights=None, keys=None):
+    """One GRPO step: sample tasks, roll them out with the user in the loop, score them, group-normalised
+    advantages, one PPO-clip update. `reward(ep, task)` sets each episode's 0/1 reward (train builds it; None: the
+    generated shop's, as run_episodes scores by default); `episode_kw` goes to run_episodes, `update_kw` to
+    update; `weights` (one per task, or None: uniform) to the task draw. -> the step's metrics (one JSONL line)
+    and, under "tally", the step's global [successes, rollouts] per task key (task_key; `keys` as in train), which
+    train() pops into its running tally for --task-sampling spread."""
+    t0 = time.time()
+    # 1-3. sample this rank's share of the B tasks, play G episodes of each with the user in the loop (tools run as
+    # they are called), and score each finished episode with reward(ep, task)
+    episodes, zero, played, dropped = collect(gen, tok, tasks, db, make_user, reward=reward, step=step, rank=rank,
+                                              world=world, seed=seed, batch_tasks=batch_tasks, group=group,
+                                              drop_zero_spread=drop_zero_spread, episode_kw=episode_kw,
+                                              weights=weights)
+    t1 = time.time()
+    # 4. group-normalised advantages: (r - mean) / std within each task's G episodes. A failed user simulator says
+    # nothing about the policy: its episode gets no gradient and stays out of its group's mean and std
+    advs = group_advantages([e.reward for e in episodes], group, mean_only,
+                            valid=[not e.errored for e in episodes])
+    # 5. one PPO-clip update, unless every group had equal rewards (all advantages 0: no policy gradient)
+    if any_rank((advs != 0).any()):  # any rank's: every rank must take the same branch
+        gen.sleep()  # vLLM hands its GPU memory to the update (the transformers sampler: nothing to do)
+        stats = {**update(policy, ref, opt, episodes, advs, device=device, world=world, **update_kw),
+                 "update_skipped": 0}
+        gen.load_weights(unwrap(policy))  # vLLM gets the new weights (the transformers sampler reads the live ones)
+    else:
+        stats = {"update_skipped": 1}
+    return {**step_metrics(step, episodes, zero, played, stats, t1 - t0, time.time() - t1, dropped=dropped),
+            "tally": tally_rewards(episodes, tasks, keys or sorted({task_key(t) for t in tasks})).tolist()}
+
+
+def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_tasks, group, drop_zero_spread,
+            episode_kw, weights=None, reward=None):
+    """Play G rollouts of this rank's share of B tasks (drawn uniformly, or by `weights`), each scored by
+    reward(ep, task) as it ends. With drop_zero_spread (DAPO's dynamic sampling), groups whose rewards are all
+    equal are replaced by fresh tasks (up to 3 extra rounds). `episode_kw` goes to run_episodes. -> (kept episodes
+    in group order, zero-spread groups, groups played, episodes of the groups dropped: counted in the step's
+    metrics, so that a step whose every episode errored says so)."""
+    rng = random.Random(seed * 1000003 + step * world + rank)
+    want = max(1, batch_tasks // world)
+    kept, dropped, zero, played, rounds = [], [], 0, 0, 0
+    while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
+        n = want - len(kept) // group
+        batch = [rng.choice(tasks) for _ in range(n)] if weights is None else rng.choices(tasks, weights, k=n)
+        episodes = run_episodes(gen, tok, [t for t in batch for _ in range(group)], db, make_user,
+                                seed=rng.randrange(2**31), score=reward or True, **episode_kw)
+        played += len(batch)
+        for g in range(len(batch)):
+            grp = episodes[g * group:(g + 1) * group]
+            if not has_spread(grp):
+                zero += 1
+                if drop_zero_spread:
+                    dropped += grp
+                    continue
+            kept += grp
+        rounds += 1
+    return kept, zero, played, dropped
+
+
+def has_spread(grp):
+    """Whether a group's scored (not errored) rewards differ: only then does it carry a gradient."""
+    return len({e.reward for e in grp if not e.errored}) > 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# the objective
+
+
+def group_advantages(rewards, group, mean_only=False, std_floor=1e-4, valid=None):
+    """rewards (N*G,) in group order -> advantages (N*G,): (r - mean_g) / (std_g + std_floor), or r - mean_g.
+    valid (N*G,) bools: only valid episodes (not errored) enter their group's mean and std; the others get 0,
+    and so does every episode of a group whose valid rewards are all equal (no spread, no signal)."""
+    r = torch.as_tensor(rewards, dtype=torch.float).view(-1, group)
+    v = torch.ones_like(r, dtype=torch.bool) if valid is None else torch.as_tensor(valid, dtype=torch.bool)
+    v = v.view(r.shape)
+    n = v.sum(-1, keepdim=True).clamp(min=1)
+    mean = torch.where(v, r, 0.0).sum(-1, keepdim=True) / n
+    adv = torch.where(v, r - mean, 0.0)
+    if not mean_only:
+        adv = adv / ((adv ** 2).sum(-1, keepdim=True) / n).sqrt().add(std_floor)
+    hi = torch.where(v, r, -torch.inf).amax(-1, keepdim=True)
+    lo = torch.where(v, r, torch.inf).amin(-1, keepdim=True)
+    return torch.where(hi > lo, adv, 0.0).view(-1)
+
+
+def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
+    """Per-token PPO-clip loss (+ beta * k3 KL), SUMMED over masked tokens; the caller divides by the number of
+    policy tokens in the global batch. new_lp, old_lp, ref_lp, mask: (B, T); adv: (B,).
+    Returns (loss_sum, stats) with stats summed over masked tokens too."""
+    ratio = torch.exp(new_lp - old_lp)
+    a = adv[:, None]
+    unclipped, clipped = ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a
+    per_tok = -torch.minimum(unclipped, clipped)
+    stats = {"clipped": ((clipped < unclipped).float() * mask).sum().detach()}
+    if beta > 0:
+        d = ref_lp - new_lp
+        k3 = torch.exp(d) - d - 1  # unbiased, always >= 0 estimator of KL(pi || ref)
+        per_tok = per_tok + beta * k3
+        stats["kl"] = (k3 * mask).sum().detach()
+    return (per_tok * mask).sum(), stats
+
+
+def update(model, ref, opt, episodes, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip,
+           temperature, seed, device, world):
+    """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
+    With beta 0 an episode whose advantage is 0 (every episode of a zero-spread group) contributes exactly zero
+    gradient, so its forward/backward is skipped; it still counts in the token denominator, so the loss (and
+    the gradient) is the same as if it had run. Here that is half the episodes or more."""
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "grad_norm": 0.0}  # means over optimizer steps
+    ent_sum, ent_n = 0.0, 0.0  # entropy: a mean over the policy tokens that ran on this rank
+    order = list(range(len(episodes)))
+    n_updates = 0
+    for epoch in range(ppo_epochs):
+        random.Random(seed + epoch).shuffle(order)
+        for mb in range(mini_batches):
+            idx = order[mb::mini_batches]
+            # the loss is a mean over every policy token of the mini-batch, on every rank (token-level)
+            n_tokens = max(1.0, float(all_reduce_sum(torch.tensor(float(sum(sum(episodes[i].loss_mask)
+                                                                                for i in idx))))))
+            work = [i for i in idx if beta > 0 or advs[i] != 0]
+            for (ids, mask, attn, old, adv), weight in balanced_chunks(episodes, advs, work, micro_batch, device):
+                with autocast(device):
+                    new, ent = forward_logprobs(model, ids, attn, temperature)  # (B, T-1) each
+                    ref_lp = None
+                    if ref is not None:
+                        with torch.no_grad():
+                            ref_lp, _ = forward_logprobs(ref, ids, attn, temperature)
+                loss_sum, st = policy_loss(new, old, adv, mask, clip, beta, ref_lp)
+                # the normalisation: / n_tokens makes the global token mean; * world undoes DDP's and FSDP's
+                # averaging of the ranks' gradients; weight is 1, or 0 for a padding chunk (balanced_chunks)
+                (loss_sum * (weight / n_tokens * world)).backward()
+                stats["loss"] += weight * float(loss_sum.detach()) / n_tokens
+                stats["clip_frac"] += weight * float(st["clipped"]) / n_tokens
+                stats["kl"] += weight * float(st.get("kl", 0.0)) / n_tokens
+                ent_sum += weight * float((ent.detach() * mask).sum())
+                ent_n += weight * float(mask.sum())
+            stats["grad_norm"] += clip_grad(model, grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            n_updates += 1
+    return {**{k: v / n_updates for k, v in stats.items()}, "entropy": ent_sum / max(1.0, ent_n)}
+
+
+def forward_logprobs(model, ids, attn, temperature):
+    """log-probs of ids[:, 1:] and the entropy of each predictive distribution, (B, T-1) each, computed a chunk of
+    rows at a time (rollout.logprobs_chunked: the (B, T, vocab) logits never exist at once)."""
+    return logprobs_chunked(model, ids, attn, temperature, with_entropy=True)[:2]
+
+
+def episode_batch(episodes, advs, device):
+    """Episodes -> right-padded tensors aligned with next-token prediction (position t predicts ids[t+1]):
+    ids, attn (B, T); mask, old log-probs (B, T-1); advantages (B,)."""
+    ids, mask, attn = pad_batch([(e.ids, e.loss_mask) for e in episodes], 0, device)
+    old = torch.zeros_like(mask)
+    for b, e in enumerate(episodes):
+        old[b, :len(e.logprobs)] = torch.tensor(e.logprobs)
+    return ids, mask[:, 1:], attn, old[:, 1:], advs.to(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# machinery for several ranks: a first reading can skip it (alone, every rank has the same work: none of it acts)
+
+
+def balanced_chunks(episodes, advs, work, micro_batch, device):
+    """Micro-batches of the episodes `work` (indices), similar lengths together (less padding; the summed loss,
+    hence the gradient, is the same), then padding chunks up to the largest count on any rank: DDP all-reduces
+    gradients inside every backward and FSDP all-gathers weights in every forward, so every rank must run as
+    many (a rank may hold no episode at all: --drop-zero-spread, many --mini-batches). -> yields (batch, weight):
+    episode_batch's tensors with weight 1.0, or dummy_batch's with weight 0.0."""
+    work = sorted(work, key=lambda i: len(episodes[i].ids))
+    chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]
+    for k in range(int(all_reduce_max(torch.tensor(len(chunks))))):
+        if k < len(chunks):
+            yield episode_batch([episodes[i] for i in chunks[k]], advs[chunks[k]], device), 1.0
+        else:
+            yield dummy_batch(device), 0.0
+
+
+def dummy_batch(device):
+    """What a rank with less work forwards and backwards so that its collectives match the others': one
+    2-token sequence of token 0 with no policy token (its loss, times 0, adds nothing)."""
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    zeros = torch.zeros((1, 1), device=device)
+    return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
+
+
+def any_rank(flag):
+    """Whether `flag` (a bool or 0-dim tensor) holds on any rank (alone: on this one)."""
+    return float(all_reduce_sum(torch.tensor(float(flag)))) > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# the loop around the step: flags, setup (the GPU machinery sits in rollout.Scale and VLLMGenerator), the steps,
+# logging and checkpoints; then task sampling and logging helpers
 
 
 def main(argv=None):
@@ -129,6 +342,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
           seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha,
           domain=None, split="train"):
     """The GRPO loop. -> (policy, tokenizer)."""
+    # --- setup: the data, the policy (rollout.Scale: FSDP2, LoRA, the memory plan), the sampler, the users
     config = dict(locals())
     if temperature <= 0:
         raise ValueError(f"GRPO needs temperature > 0 (got {temperature}): log-probs divide the logits by it")
@@ -189,10 +403,14 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
                                       concurrency=llm_concurrency, deadline=llm_deadline)
     # on tau2's tasks the agent gets tau2's domain policy, as in evaluation (evaluate.py) and in tau2 itself
-    episode_kw = dict(max_turns=max_turns, max_tokens=max_len, max_new_tokens=max_new_tokens,
-                      temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks),
-                      check_communicate=reward_basis == "task")
-    episode_kw.update(world_kw)  # a tau2 domain's own policy, tools, calls and scorer
+    episode_kw = dict(max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens,
+                      temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks))
+    # the 0/1 task reward, reward(ep, task): on the generated shop env.compute_reward through rollout.shop_reward
+    # (the database check; with --reward-basis task also the information the agent had to say); on a tau2 domain,
+    # tau2's own evaluator
+    reward = world_kw.pop("score") if domain else shop_reward(shop, check_communicate=reward_basis == "task")
+    episode_kw.update(world_kw)  # a tau2 domain's own policy, tools and calls
+    # --- the steps, each logged; checkpoints every --save-every steps
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(wandb, config) if rank == 0 else None
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="grpo")
@@ -205,7 +423,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         rec = grpo_step(policy, ref, opt, gen, tok, train_tasks, shop, make_user, step=step, rank=rank, world=world,
                         device=device, seed=seed, batch_tasks=batch_tasks, group=group, weights=weights, keys=keys,
                         drop_zero_spread=drop_zero_spread, mean_only=mean_only, episode_kw=episode_kw,
-                        update_kw=update_kw)
+                        update_kw=update_kw, reward=reward)
         tally += torch.tensor(rec.pop("tally"), dtype=torch.float64).view(-1, 2)
         errored.update(rec.get("errored_reasons", {}))
         if rank == 0:
@@ -234,72 +452,19 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
     return unwrap(policy), tok
 
 
-def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, world, device, seed, batch_tasks,
-              group, drop_zero_spread, mean_only, episode_kw, update_kw, weights=None, keys=None):
-    """One GRPO step: rollouts with the user in the loop, group-normalised advantages, one policy update.
-    `episode_kw` goes to run_episodes, `update_kw` to update; `weights` (one per task, or None: uniform) to the
-    task draw. -> the step's metrics (one JSONL line) and, under "tally", the step's global [successes,
-    rollouts] per task key (task_key; `keys` as in train), which train() pops into its running tally."""
-    # 1. rollouts with the user in the loop, rewarded by the database check
-    t0 = time.time()
-    eps, zero, played, dropped = collect(gen, tok, tasks, db, make_user, step=step, rank=rank, world=world, seed=seed,
-                                batch_tasks=batch_tasks, group=group, drop_zero_spread=drop_zero_spread,
-                                episode_kw=episode_kw, weights=weights)
-    t1 = time.time()
-    # 2. group-normalised advantages; a failed user simulator says nothing about the policy: no gradient, and
-    # its placeholder reward stays out of its group's mean and std
-    advs = group_advantages([e.reward for e in eps], group, mean_only, valid=[not e.errored for e in eps])
-    # 3. one policy update, unless every group had equal rewards (all advantages 0, no policy gradient).
-    # The count is global, so every rank takes the same branch.
-    if float(all_reduce_sum(torch.tensor(float((advs != 0).sum())))) > 0:
-        if isinstance(gen, VLLMGenerator):
-            gen.sleep()  # the update gets the GPU memory the engine held
-        stats = {**update(policy, ref, opt, eps, advs, device=device, world=world, **update_kw), "update_skipped": 0}
-        if isinstance(gen, VLLMGenerator):
-            gen.load_weights(unwrap(policy))  # wakes it, pushes bf16 weights
-    else:
-        stats = {"update_skipped": 1}
-    return {**step_metrics(step, eps, zero, played, stats, t1 - t0, time.time() - t1, dropped=dropped),
-            "tally": tally_rewards(eps, tasks, keys or sorted({task_key(t) for t in tasks})).tolist()}
+# ----------------------------------------------------------------------------------------------------
+# task sampling (--task-sampling spread): a running success rate per task kind
 
 
-def tally_rewards(eps, tasks, keys):
+def tally_rewards(episodes, tasks, keys):
     """-> (len(keys), 2) float64: the (successes, scored rollouts) of the step's episodes per task key, summed
     over ranks. Errored episodes, and any whose task is not in `tasks`, are left out."""
     tally = torch.zeros(len(keys), 2, dtype=torch.float64)
     key_of = {t["id"]: task_key(t) for t in tasks}
-    for e in eps:
+    for e in episodes:
         if not e.errored and e.task_id in key_of:
             tally[keys.index(key_of[e.task_id])] += torch.tensor([e.reward, 1.0], dtype=torch.float64)
     return all_reduce_sum(tally)
-
-
-def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_tasks, group, drop_zero_spread,
-            episode_kw, weights=None):
-    """Play G rollouts of this rank's share of B tasks (drawn uniformly, or by `weights`); with drop_zero_spread,
-    groups whose rewards are all equal are replaced by fresh tasks (up to 3 extra rounds). `episode_kw` goes to
-    run_episodes. -> (kept episodes in group order, zero-spread groups, groups played, episodes of the groups
-    dropped: counted in the step's metrics, so that a step whose every episode errored says so)."""
-    rng = random.Random(seed * 1000003 + step * world + rank)
-    want = max(1, batch_tasks // world)
-    kept, dropped, zero, played, rounds = [], [], 0, 0, 0
-    while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
-        n = want - len(kept) // group
-        batch = [rng.choice(tasks) for _ in range(n)] if weights is None else rng.choices(tasks, weights, k=n)
-        eps = run_episodes(gen, tok, [t for t in batch for _ in range(group)], db, make_user,
-                           seed=rng.randrange(2**31), **episode_kw)
-        played += len(batch)
-        for g in range(len(batch)):
-            grp = eps[g * group:(g + 1) * group]
-            rs = [e.reward for e in grp if not e.errored]
-            if len(set(rs)) <= 1:
-                zero += 1
-                if drop_zero_spread:
-                    dropped += grp
-                    continue
-            kept += grp
-        rounds += 1
-    return kept, zero, played, dropped
 
 
 def task_key(task):
@@ -317,133 +482,19 @@ def task_weights(tasks, keys, tally, floor=0.02):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the objective
-
-
-def group_advantages(rewards, group, mean_only=False, eps=1e-4, valid=None):
-    """rewards (N*G,) in group order -> advantages (N*G,): (r - mean_g) / (std_g + eps), or r - mean_g.
-    valid (N*G,) bools: only valid episodes (not errored) enter their group's mean and std; the others get 0,
-    and so does every episode of a group whose valid rewards are all equal (no spread, no signal)."""
-    r = torch.as_tensor(rewards, dtype=torch.float).view(-1, group)
-    v = torch.ones_like(r, dtype=torch.bool) if valid is None else torch.as_tensor(valid, dtype=torch.bool)
-    v = v.view(r.shape)
-    n = v.sum(-1, keepdim=True).clamp(min=1)
-    mean = torch.where(v, r, 0.0).sum(-1, keepdim=True) / n
-    adv = torch.where(v, r - mean, 0.0)
-    if not mean_only:
-        adv = adv / ((adv ** 2).sum(-1, keepdim=True) / n).sqrt().add(eps)
-    hi = torch.where(v, r, -torch.inf).amax(-1, keepdim=True)
-    lo = torch.where(v, r, torch.inf).amin(-1, keepdim=True)
-    return torch.where(hi > lo, adv, 0.0).view(-1)
-
-
-def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
-    """Per-token PPO-clip loss (+ beta * k3 KL), SUMMED over masked tokens; the caller divides by the number of
-    policy tokens in the global batch. new_lp, old_lp, ref_lp, mask: (B, T); adv: (B,).
-    Returns (loss_sum, stats) with stats summed over masked tokens too."""
-    ratio = torch.exp(new_lp - old_lp)
-    a = adv[:, None]
-    unclipped, clipped = ratio * a, torch.clamp(ratio, 1 - clip, 1 + clip) * a
-    per_tok = -torch.minimum(unclipped, clipped)
-    stats = {"clipped": ((clipped < unclipped).float() * mask).sum().detach()}
-    if beta > 0:
-        d = ref_lp - new_lp
-        k3 = torch.exp(d) - d - 1  # unbiased, always >= 0 estimator of KL(pi || ref)
-        per_tok = per_tok + beta * k3
-        stats["kl"] = (k3 * mask).sum().detach()
-    return (per_tok * mask).sum(), stats
-
-
-def forward_logprobs(model, ids, attn, temperature):
-    """log-probs of ids[:, 1:] and the entropy of each predictive distribution, (B, T-1) each, computed a chunk of
-    rows at a time (rollout.logprobs_chunked: the (B, T, vocab) logits never exist at once)."""
-    return logprobs_chunked(model, ids, attn, temperature, with_entropy=True)[:2]
-
-
-def episode_batch(eps, advs, device):
-    """Episodes -> right-padded tensors aligned with next-token prediction (position t predicts ids[t+1])."""
-    ids, mask, attn = pad_batch([(e.ids, e.loss_mask) for e in eps], 0, device)
-    old = torch.zeros_like(mask)
-    for b, e in enumerate(eps):
-        old[b, :len(e.logprobs)] = torch.tensor(e.logprobs)
-    return ids, mask[:, 1:], attn, old[:, 1:], advs.to(device)
-
-
-def dummy_batch(device):
-    """What a rank with less work forwards and backwards so that its collectives match the others': one
-    2-token sequence of token 0 with no policy token (its loss, times 0, adds nothing)."""
-    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-    zeros = torch.zeros((1, 1), device=device)
-    return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
-
-
-def update(model, ref, opt, eps, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip, temperature,
-           seed, device, world):
-    """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
-    With beta 0 an episode whose advantage is 0 (every episode of a zero-spread group) contributes exactly zero
-    gradient, so its forward/backward is skipped; it still counts in the token denominator, so the loss (and
-    the gradient) is the same as if it had run. Here that is half the episodes or more. Every rank runs the
-    same number of forwards and backwards (dummies where it has less work): DDP's all-reduces and FSDP's
-    all-gathers are collectives."""
-    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "grad_norm": 0.0}  # means over optimizer steps
-    ent_sum, ent_n = 0.0, 0.0  # entropy: a mean over the policy tokens that ran on this rank
-    order = list(range(len(eps)))
-    n_updates = 0
-    for epoch in range(ppo_epochs):
-        random.Random(seed + epoch).shuffle(order)
-        for mb in range(mini_batches):
-            idx = order[mb::mini_batches]
-            # token-level normalisation over the global mini-batch: count policy tokens on every rank
-            total = all_reduce_sum(torch.tensor(float(sum(sum(eps[i].loss_mask) for i in idx))))
-            total = max(1.0, float(total))
-            # micro-batches of similar lengths pad less; the summed loss, hence the gradient, is the same
-            work = sorted((i for i in idx if beta > 0 or advs[i] != 0), key=lambda i: len(eps[i].ids))
-            chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]
-            # DDP all-reduces gradients inside every backward, FSDP all-gathers weights in every forward: each rank
-            # must run as many, so a rank with fewer chunks runs dummy ones (dummy_batch, its loss times 0)
-            n_chunks = int(all_reduce_max(torch.tensor(len(chunks))))
-            for k in range(n_chunks):
-                if k < len(chunks):
-                    ids, mask, attn, old, adv = episode_batch([eps[i] for i in chunks[k]], advs[chunks[k]], device)
-                    scale = 1.0
-                else:  # a dummy: this rank may hold no episode at all (--drop-zero-spread, many --mini-batches)
-                    ids, mask, attn, old, adv = dummy_batch(device)
-                    scale = 0.0
-                with autocast(device):
-                    new, ent = forward_logprobs(model, ids, attn, temperature)
-                    ref_lp = None
-                    if ref is not None:
-                        with torch.no_grad():
-                            ref_lp, _ = forward_logprobs(ref, ids, attn, temperature)
-                loss, st = policy_loss(new, old, adv, mask, clip, beta, ref_lp)
-                # DDP averages over ranks; * world keeps the global token mean
-                (loss * (scale / total * world)).backward()
-                stats["loss"] += scale * float(loss.detach()) / total
-                stats["clip_frac"] += scale * float(st["clipped"]) / total
-                stats["kl"] += scale * float(st.get("kl", 0.0)) / total
-                ent_sum += scale * float((ent.detach() * mask).sum())
-                ent_n += scale * float(mask.sum())
-            stats["grad_norm"] += clip_grad(model, grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            n_updates += 1
-    return {**{k: v / n_updates for k, v in stats.items()}, "entropy": ent_sum / max(1.0, ent_n)}
-
-
-# ----------------------------------------------------------------------------------------------------
 # logging
 
 
-def step_metrics(step, eps, zero, played, stats, rollout_s, update_s, dropped=()):
-    """One JSONL line; episode sums are all-reduced so every rank logs the global numbers. `eps`: the kept
+def step_metrics(step, episodes, zero, played, stats, rollout_s, update_s, dropped=()):
+    """One JSONL line; episode sums are all-reduced so every rank logs the global numbers. `episodes`: the kept
     episodes; `dropped`: those of groups collect() dropped, counted in "episodes" and "errored" only."""
-    ok = [e for e in eps if not e.errored]
-    t = all_reduce_sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(eps) - len(ok), zero, played,
-                                     sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
-                                     sum(e.tool_errors for e in eps), sum(sum(e.loss_mask) for e in eps),
+    ok = [e for e in episodes if not e.errored]
+    t = all_reduce_sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(episodes) - len(ok), zero, played,
+                                     sum(e.turns for e in episodes), sum(e.tool_calls for e in episodes),
+                                     sum(e.tool_errors for e in episodes), sum(sum(e.loss_mask) for e in episodes),
                                      len(dropped), sum(e.errored for e in dropped)], dtype=torch.float64)).tolist()
     n = max(1.0, t[1] + t[2])
-    why = errored_reasons(list(eps) + list(dropped))
+    why = errored_reasons(list(episodes) + list(dropped))
     # reward_mean is None (null) when every episode errored: 0.0 would read as a policy that solved nothing
     return {"step": step + 1, "reward_mean": t[0] / t[1] if t[1] else None, "errored": int(t[2] + t[10]),
             "episodes": int(t[1] + t[2] + t[9]),

@@ -34,8 +34,18 @@ Every call in one assistant message is executed, in order, each answered by its 
 (Qwen's templates render several calls per turn and group their responses). A malformed call (bad JSON,
 no name, unknown tool, wrong arguments) is answered with an error message and the episode goes on.
 
-Sections: models and checkpoints -> chat rendering -> parsing -> log-probs -> generation backends -> episodes
--> chat backends for the other LLM roles -> distributed runs and logging.
+Sections, in file order (what a first reading needs is marked *):
+  models and checkpoints          load_model, save_checkpoint (atomic; `latest` names the last complete one)
+* chat rendering                  render, template_diff, agent_text, encode_conversation: messages -> tokens, masks
+* parsing                         parse_assistant: the agent's text -> a message with tool calls
+  log-probs                       logprobs_chunked: SFT's loss and GRPO's ratio
+  generation backends             HFGenerator (transformers, KV cache), VLLMGenerator: ids in, ids + log-probs out
+* episodes                        Episode, run_episodes (the multi-turn loop), shop_reward (the reward it calls)
+  chat backends                   the other LLM roles (user, teacher, tool simulator, judge): local model or
+                                  OpenAI-compatible endpoint; make_user_factory; tau2's users and scorer; SmolLM2
+  distributed runs and logging    torchrun's ranks, all-reduces, metrics files
+  scaling to GPUs                 Scale: FSDP2 or DDP, LoRA, activation checkpointing, gathering whole weights
+  the memory plan                 bytes per GPU from a model's shapes and the run's flags (print_memory_plan)
 """
 import asyncio
 import collections
@@ -566,6 +576,12 @@ class HFGenerator:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
         self.kv = {}  # cache key -> (token ids the cache covers, [(k, v) per layer], each (heads, T, head_dim))
 
+    def sleep(self):
+        """Nothing to free: this sampler is the policy itself (VLLMGenerator.sleep hands its GPU memory over)."""
+
+    def load_weights(self, model):
+        """Nothing to push: generate() reads the live weights of the model it was built on."""
+
     def _layout(self, prompts, cache_keys, max_new_tokens):
         """Cache (slots [0, P) filled from the episodes' kept caches), new-token ids, attention mask over all
         P + N + max_new_tokens slots, position ids, prefix lengths, new tokens."""
@@ -816,9 +832,9 @@ class Episode:
 
 
 def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT,
-                 max_turns=30, max_tokens=4096, max_new_tokens=256, temperature=1.0, top_p=1.0, seed=0,
+                 max_turns=30, max_len=4096, max_new_tokens=256, temperature=1.0, top_p=1.0, seed=0,
                  call_tool=env.call_tool, check_communicate=False, make_agent=None, score=True, call_user_tool=None):
-    """Play one episode per task (repeat a task in `tasks` for a GRPO group). Every step all episodes waiting
+    """Play one episode per task (repeat a task in `tasks` for a GRPO group). Every turn all episodes waiting
     on the agent are generated in one batch; tool calls run on each episode's own deep copy of `db`;
     texts go to each episode's user simulator. Finished episodes leave the batch. Returns scored Episodes.
     `make_user(task, seed)` builds one user simulator; `call_tool(db, name, args)` may be swapped for an MCP
@@ -849,10 +865,10 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
             _append(ep, encode(tok, render(tok, agent_view(ep.messages), ts, add_generation_prompt=True)), 0)
     _check_users(eps, users, range(len(eps)))  # first: a user that failed at its first message errored the episode
     for ep in eps:
-        if tok and not ep.end_reason and len(ep.ids) >= max_tokens:  # the prompt alone fills the episode (a long
+        if tok and not ep.end_reason and len(ep.ids) >= max_len:  # the prompt alone fills the episode (a long
             ep.end_reason = "max_tokens"                             # policy): nothing to sample
     eot = end_of_turn(tok) if tok else ""
-    for step in range(max_turns):
+    for turn in range(max_turns):
         live = [i for i, ep in enumerate(eps) if not ep.end_reason]
         if not live:
             break
@@ -860,7 +876,7 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
             outs = [(text + eot, None) for text in act_all([agents[i] for i in live], [eps[i].messages for i in live])]
         else:
             outs = gen.generate([eps[i].ids for i in live], max_new_tokens, temperature, top_p,
-                                seed=seed * 7919 + step, cache_keys=live)
+                                seed=seed * 7919 + turn, cache_keys=live)
         to_tools, to_user = [], []
         for i, (new_ids, lps) in zip(live, outs):
             ep = eps[i]
@@ -880,13 +896,13 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
                 ep.end_reason = "max_tokens"
             else:
                 (to_tools if msg.get("tool_calls") else to_user).append(i)
-        # every call of this step at once, each on its own episode's db
+        # every call of this turn at once, each on its own episode's db
         for i, (results, errors, transferred) in zip(to_tools, execute_all(
                 [(eps[i].db, eps[i].messages[-1]) for i in to_tools], call_tool)):
             ep = eps[i]
             ep.tool_calls += len(results)
             ep.tool_errors += errors
-            _add_turns(ep, tok, results, ep_tools[i], max_tokens)
+            _add_turns(ep, tok, results, ep_tools[i], max_len)
             ep.end_reason = ep.end_reason or ("transfer" if transferred else "")
         replies = env.respond_all([users[i] for i in to_user], [eps[i].messages[-1]["content"] for i in to_user])
         replies = user_side(eps, users, to_user, replies, call_user_tool, max_turns)
@@ -894,20 +910,15 @@ def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_
             if users[i].done:  # the user's last words end the episode; no more tokens are needed
                 eps[i].messages.append({"role": "user", "content": reply})
             else:
-                _add_turns(eps[i], tok, [{"role": "user", "content": reply}], ep_tools[i], max_tokens)
+                _add_turns(eps[i], tok, [{"role": "user", "content": reply}], ep_tools[i], max_len)
         _check_users(eps, users, to_user)
     for ep in eps:
         ep.end_reason = ep.end_reason or "max_turns"
-    if callable(score):
+    if score:  # a failed user simulator says nothing about the policy: its episode is not scored
+        reward = score if callable(score) else shop_reward(db, check_communicate)
         for ep, task in zip(eps, tasks):
             if not ep.errored:
-                score(ep, task)
-    elif score:
-        gold = {}  # GRPO plays each task G times: replay its gold actions and hash the result once
-        for ep, task in zip(eps, tasks):
-            if not ep.errored and id(task) not in gold:
-                gold[id(task)] = env.db_hash(env.gold_db(task, db))
-            score_episode(ep, task, db, check_communicate, gold.get(id(task)))
+                reward(ep, task)
     return eps
 
 
@@ -986,20 +997,32 @@ def score_episode(ep, task, initial_db, check_communicate=False, gold_hash=None)
     return ep
 
 
+def shop_reward(db, check_communicate=False):
+    """reward(ep, task) on the generated shop (db: the shop every episode starts from): score_episode, the gold
+    end state's hash computed once per task (GRPO plays each task G times, over many steps)."""
+    gold = {}  # id(task) -> (task, hash); the task is held so that its id cannot be reused
+
+    def reward(ep, task):
+        if id(task) not in gold:
+            gold[id(task)] = (task, env.db_hash(env.gold_db(task, db)))
+        score_episode(ep, task, db, check_communicate, gold[id(task)][1])
+    return reward
+
+
 def _append(ep, ids, mask_value, logprobs=None):
     ep.ids += ids
     ep.loss_mask += [mask_value] * len(ids)
     ep.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
 
-def _add_turns(ep, tok, new_messages, tools, max_tokens):
+def _add_turns(ep, tok, new_messages, tools, max_len):
     """Append tool results or a user turn after the agent's last message, as the template renders them."""
     if tok is None:  # a text-only episode
         ep.messages += new_messages
         return
     diff = encode(tok, template_diff(tok, new_messages, tools))
     ep.messages += new_messages
-    if len(ep.ids) + len(diff) >= max_tokens:
+    if len(ep.ids) + len(diff) >= max_len:
         ep.end_reason = ep.end_reason or "max_tokens"
         return
     _append(ep, diff, 0)

@@ -146,12 +146,12 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     redraw = redraw == "on" or (redraw == "auto" and family)
     copy_mix = CopyMix(tok, copy_mix, seed, device) if family and copy_mix else None
 
-    def encode(c):  # -> (ids, mask), truncated
+    def encode_truncated(c):  # rollout.encode_conversation, cut at max_len -> (ids, mask)
         ids, mask = encode_conversation(tok, c["messages"], c.get("tools"))
         return ids[:max_len], mask[:max_len]
-    held, train_convs = [encode(c) for c in convs[:n_eval]], convs[n_eval:]
-    encoded = None if redraw else [encode(c) for c in train_convs]  # with redraw, each step encodes afresh
-    probe = encoded or [encode(c) for c in train_convs[:32]]
+    held, train_convs = [encode_truncated(c) for c in convs[:n_eval]], convs[n_eval:]
+    encoded = None if redraw else [encode_truncated(c) for c in train_convs]  # with redraw, each step encodes afresh
+    probe = encoded or [encode_truncated(c) for c in train_convs[:32]]
     if not any(sum(m[1:]) for _, m in probe):  # the loss is on agent tokens: with none left it is 0 and learns nothing
         first = min(encode_conversation(tok, c["messages"], c.get("tools"))[1].index(1) for c in train_convs[:32])
         raise SystemExit(f"sft.py: --max-len {max_len} cuts every conversation of {data} before its first agent "
@@ -171,7 +171,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         order = random.Random(seed * 1000003 + step // max(1, n // per_step)).sample(range(n), n)
         k = step % max(1, n // per_step)
         picked = order[k * per_step:(k + 1) * per_step]
-        glob = [encoded[j] for j in picked] if encoded else [encode({**train_convs[j], "messages": redraw_ids(
+        glob = [encoded[j] for j in picked] if encoded else [encode_truncated({**train_convs[j], "messages": redraw_ids(
             train_convs[j]["messages"], random.Random(seed * 1000003 + step * 1009 + j))}) for j in picked]
         mine = glob[rank::world]
         total = max(1.0, float(sum(sum(m[1:]) for _, m in glob)))  # agent tokens in the global batch

@@ -187,7 +187,7 @@ class NaiveGenerator:
 
 
 def play(gen, tok, tasks, db, a, make_user=scripted):
-    return rollout.run_episodes(gen, tok, tasks, db, make_user, max_turns=a.max_turns, max_tokens=a.max_len,
+    return rollout.run_episodes(gen, tok, tasks, db, make_user, max_turns=a.max_turns, max_len=a.max_len,
                                 max_new_tokens=a.max_new_tokens, temperature=0.0, seed=0)
 
 
@@ -344,7 +344,7 @@ def prefill_curve(gen, model, tok, task, db, a, max_turns):
         return outs
     gen.generate = spy
     try:
-        rollout.run_episodes(gen, tok, [task], db, PatientUser, max_turns=max_turns, max_tokens=a.prefill_len,
+        rollout.run_episodes(gen, tok, [task], db, PatientUser, max_turns=max_turns, max_len=a.prefill_len,
                              max_new_tokens=a.max_new_tokens, temperature=0.0, seed=0, score=False)
     finally:
         gen.generate = inner
@@ -358,7 +358,7 @@ def bench_prefill(a, world, rows):
     ours = ClosingTurns(rollout.HFGenerator(model, tok), tok)
     naive = ClosingTurns(NaiveGenerator(model, tok), tok)
     cand = train[:40]  # those whose episodes reach the longest length (at most a.prefill_len tokens)
-    eps = rollout.run_episodes(ours, tok, cand, db, PatientUser, max_turns=longest, max_tokens=a.prefill_len,
+    eps = rollout.run_episodes(ours, tok, cand, db, PatientUser, max_turns=longest, max_len=a.prefill_len,
                                max_new_tokens=a.max_new_tokens, temperature=0.0, seed=0, score=False)
     tasks = [t for t, e in zip(cand, eps) if e.turns == longest and e.end_reason == "max_turns"]
     tasks = tasks[:a.prefill_episodes]
@@ -433,7 +433,7 @@ def plot_prefill(pts, turns, path):
 def bench_update(a, world, rows):
     db, train, model, tok, _ = world
     eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, train[:a.update_episodes], db, scripted,
-                               max_turns=a.max_turns, max_tokens=a.max_len, max_new_tokens=a.max_new_tokens,
+                               max_turns=a.max_turns, max_len=a.max_len, max_new_tokens=a.max_new_tokens,
                                temperature=1.0, seed=0)  # a GRPO batch: sampled at T=1
     # every advantage non-zero: grpo.update skips zero-advantage episodes, and here none is skipped
     advs = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(eps))])

@@ -183,7 +183,7 @@ def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps
         return eps
     grpo.run_episodes = alternate_rewards
     kw = dict(rank=0, world=1, device=device, seed=0, batch_tasks=tasks, group=group, drop_zero_spread=False,
-              mean_only=False, episode_kw=dict(max_turns=turns, max_tokens=max_len, max_new_tokens=new_tokens,
+              mean_only=False, episode_kw=dict(max_turns=turns, max_len=max_len, max_new_tokens=new_tokens,
                                                temperature=1.0),
               update_kw=dict(ppo_epochs=1, mini_batches=1, micro_batch=group, clip=0.2, beta=0.0, grad_clip=1.0,
                              temperature=1.0, seed=0))
@@ -207,7 +207,7 @@ def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps
 
     # 3. the sampler's log-probs against the trainer's: fresh episodes from the current weights, no update
     eps = rollout.run_episodes(gen, tok, data["tasks"][:tasks], data["db"], rollout.make_user_factory(),
-                               max_turns=turns, max_tokens=max_len, max_new_tokens=new_tokens, temperature=1.0, seed=7)
+                               max_turns=turns, max_len=max_len, max_new_tokens=new_tokens, temperature=1.0, seed=7)
     diffs = []
     with torch.no_grad():
         for e in eps:

@@ -105,7 +105,7 @@ def _step_kw(*, group, batch_tasks, max_turns, max_len, max_new_tokens):
     """grpo_step's settings for one process, sampling at temperature 1."""
     return dict(rank=0, world=1, device="cpu", seed=0, batch_tasks=batch_tasks, group=group, drop_zero_spread=False,
                 mean_only=False, update_kw=_args(), episode_kw=dict(
-                    max_turns=max_turns, max_tokens=max_len, max_new_tokens=max_new_tokens, temperature=1.0))
+                    max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens, temperature=1.0))
 
 
 def test_token_level_normalisation_across_micro_batches(tiny):

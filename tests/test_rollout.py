@@ -681,7 +681,7 @@ def check_tokens_in_tokens_out(tk, messages, tools):
     n_agent = len(r.agent)
     ep, = rollout.run_episodes(r, tk, [{"id": "replay"}], {"products": {}, "users": {}, "orders": {}},
                                lambda t, s: r, tools=tools, system_prompt=messages[0]["content"],
-                               call_tool=r.call_tool, max_turns=n_agent, max_tokens=10**6, score=False)
+                               call_tool=r.call_tool, max_turns=n_agent, max_len=10**6, score=False)
     assert ep.ids == ids and ep.loss_mask == mask
     assert [m for m in ep.messages if m["role"] == "assistant"] == [
         rollout.parse_assistant(m_text[:-len(EOT)]) for m_text in

@@ -145,7 +145,7 @@ def telecom_episode(srv, max_turns=4):
     make_user = rollout.tau2_user_factory(d, srv.url, "fake-user")
     kw = rollout.tau2_episode_kw(d, "task")
     kw["system_prompt"] = "You are a telecom agent."  # short: the tiny tokenizer spells tau2's policy in bytes
-    ep = rollout.run_episodes(SayGen(tok), tok, [task], make_user=make_user, max_turns=max_turns, max_tokens=4096,
+    ep = rollout.run_episodes(SayGen(tok), tok, [task], make_user=make_user, max_turns=max_turns, max_len=4096,
                               **kw)[0]
     return ep, tok
 

@@ -91,7 +91,7 @@ def engine(request, small_path):
 
 
 def episodes(gen, tok, tasks, db, **kw):
-    return rollout.run_episodes(gen, tok, tasks, db, rollout.make_user_factory(), max_turns=4, max_tokens=MAX_LEN,
+    return rollout.run_episodes(gen, tok, tasks, db, rollout.make_user_factory(), max_turns=4, max_len=MAX_LEN,
                                 max_new_tokens=MAX_NEW, **kw)
 
 
