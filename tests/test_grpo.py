@@ -279,7 +279,7 @@ def _train_reward(model, tok, tasks, shop, *, seed, n=16):
     n sampled episodes per task at GRPO's temperature, 1. Called with the same seed before and after training:
     the same users and the same sampling noise, so the difference is the policy's (and 0 if it did not move)."""
     eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, [t for t in tasks for _ in range(n)], shop,
-                               rollout.make_user_factory(), max_turns=16, max_tokens=1024, max_new_tokens=64,
+                               rollout.make_user_factory(), max_turns=16, max_len=1024, max_new_tokens=64,
                                temperature=1.0, seed=seed, check_communicate=True)
     return sum(e.reward for e in eps) / len(eps)
 
@@ -296,7 +296,7 @@ def grpo_learning_curve(shop, train, *, seed, arm="grpo", steps=15, lr=1e-4):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     kw = dict(rank=0, world=1, device="cpu", seed=seed, batch_tasks=4, group=8, drop_zero_spread=False,
               mean_only=False, update_kw=_args(grad_clip=1.0),
-              episode_kw=dict(max_turns=16, max_tokens=1024, max_new_tokens=64, temperature=1.0,
+              episode_kw=dict(max_turns=16, max_len=1024, max_new_tokens=64, temperature=1.0,
                               check_communicate=True))
     zero_reward = lambda *a, **k: env.RewardInfo(reward=0.0, db_match=False, communicate_ok=False, failed="db")
     flipped = lambda *a, **k: -ADVANTAGES(*a, **k)
