@@ -113,6 +113,8 @@ def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_ta
     while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
         n = want - len(kept) // group
         batch = [rng.choice(tasks) for _ in range(n)] if weights is None else rng.choices(tasks, weights, k=n)
+        # G copies of each task in a row (a group); run_episodes calls reward(ep, task) on each as it ends (None:
+        # its own default, the generated shop's reward)
         episodes = run_episodes(gen, tok, [t for t in batch for _ in range(group)], db, make_user,
                                 seed=rng.randrange(2**31), score=reward or True, **episode_kw)
         played += len(batch)
