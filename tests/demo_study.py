@@ -150,7 +150,11 @@ def report(out, seeds):
 
 
 def plot_rewards(out, seeds):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # optional: the tables above are already written
+        print("no reward plot: matplotlib is not installed (pip install matplotlib)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.2))
