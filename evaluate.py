@@ -1,27 +1,26 @@
 """
-evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more checkpoints; or BFCL v3's multi-turn
-accuracy, BFCL's way (--bench bfcl).
+evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more models in one or more worlds (env.World):
+the generated shop, tau2-bench's domains on tau2's own code, BFCL v3's multi-turn categories on bfcl-eval's code.
 
     python evaluate.py                      # the demo's base, cold-start (SFT), MUA-RL (SFT+GRPO), RL-only rows
     python evaluate.py --models sft=out/sft grpo=out/grpo --k 4 --temperature 1.0   # sampled trials
+    python evaluate.py --models sft=out/sft --domain retail airline telecom    # tau2's test split, on tau2's code
     python evaluate.py --models out/grpo --tasks ../shared/tau2/retail/tasks.json \
         --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B \
         --max-turns 30 --max-new-tokens 1024 --max-len 16384
     python evaluate.py --bench bfcl --models sft=out/sft --categories base miss_func --n 20   # BFCL subset
-    python evaluate.py --models sft=out/sft --domain retail airline telecom    # tau2's test split, on tau2's code
 
-Every test task is played k times per model. pass^k for a task with c successes out of n trials is
-C(c, k) / C(n, k) (the chance that k trials drawn without replacement all succeed), averaged over tasks;
-pass^1 is the average reward. results.json also holds pass@k (at least one success in k trials), which under
-sampled trials (--temperature 1) bounds what RL can reach by sharpening the policy alone. The agent decodes
-greedily by default (tau-bench's default), so trials differ through the user simulator: the scripted user draws
-its wording from the trial's seed. Episodes whose user simulator failed are left out of n (and counted).
-By default the reward also checks the information the agent had to communicate (`communicate_info`), as
-tau-bench's evaluation does; --db-only scores the database alone, as training does. On tau2's tasks the agent's
-system prompt holds tau2's domain policy (--policy, default: the policy.md beside --tasks), as tau2's agent has it.
-Prints a markdown table (overall and per task kind) and writes every transcript to JSONL. An http(s) URL in
---models is an OpenAI-compatible endpoint playing the agent. --domain (tau2-bench's domains on tau2's own code,
-scored by tau2's evaluator) and --bench bfcl: see the fenced sections at the bottom.
+Every task is played k times per model. pass^k for a task with c successes out of n trials is C(c, k) / C(n, k)
+(the chance that k trials drawn without replacement all succeed), averaged over tasks, with a 95% bootstrap
+interval over tasks; pass^1 is the mean reward. results.json also holds pass@k (at least one success in k trials),
+which under sampled trials (--temperature 1) bounds what RL can reach by sharpening the policy alone. The agent
+decodes greedily by default (tau-bench's default), so trials differ through the user simulator: the scripted user
+draws its wording from the trial's seed. Episodes whose user (or endpoint agent) failed are left out of n and
+counted. Each episode is scored by its world on the "task" basis, what the task checks (the database and the
+information the agent had to communicate, as tau-bench scores); --db-only scores the database alone (grpo.py's
+--reward-basis db, the paper's training reward). Prints one markdown table (per world, and per task kind where a
+world has several), with each world's own figures (telecom's TCR, BFCL's mean over categories), and writes every
+transcript to JSONL. An http(s) URL in --models is an OpenAI-compatible endpoint playing the agent.
 """
 import argparse
 import json
@@ -32,14 +31,13 @@ import re
 import tempfile
 from collections import defaultdict
 from math import comb
-from types import SimpleNamespace
 
 import torch
 
 import env
-from rollout import (ChatAgent, TINY_BASE, add_user_args, agent_system_prompt, all_errored, check_flags,
-                     errored_reasons, errored_summary, load_agent, make_user_factory, require_vllm, run_episodes,
-                     short_reason, tau2_episode_kw, tau2_user_factory)
+from rollout import (TINY_BASE, ChatAgent, TextAgents, TokenAgent, add_user_args, all_errored, check_flags,
+                     errored_reasons, errored_summary, load_agent, require_vllm, run_episodes, short_reason,
+                     user_backend)
 
 
 def pass_hat_k(outcomes, k):
@@ -57,50 +55,73 @@ def pass_at_k(outcomes, k):
     return sum(vals) / len(vals) if vals else None
 
 
-def evaluate_model(gen, tok, tasks, db, make_user, *, k, seed, db_only, max_turns, max_len, max_new_tokens,
-                   temperature, system_prompt, make_agent=None, **world_kw):
-    """Play k trials of every task; -> episodes. Trials differ through the sampling seed and the user's seed.
-    world_kw: a tau2 domain's run_episodes arguments (rollout.tau2_episode_kw: tools, calls, its scorer)."""
+def bootstrap(outcomes, k, n=1000, seed=0):
+    """95% interval of pass^k over tasks: tasks resampled with replacement n times. -> [low, high] or None."""
+    per = [comb(int(sum(rs)), k) / comb(len(rs), k) for rs in outcomes.values() if len(rs) >= k]
+    if not per:
+        return None
+    rng = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(per), (n, len(per)), generator=rng)
+    means = torch.tensor(per, dtype=torch.float64)[idx].mean(1).sort().values
+    return [float(means[int(0.025 * n)]), float(means[min(n - 1, int(0.975 * n))])]
+
+
+def evaluate(agent, world, tasks, *, k, seed, basis, batch):
+    """Play k trials of every task, `batch` tasks at a time, and have the world score each episode. Trials differ
+    through the sampling seed and the user's seed. -> episodes."""
     eps = []
     for trial in range(k):
-        eps += run_episodes(gen, tok, tasks, db, make_user, system_prompt=system_prompt, max_turns=max_turns,
-                            max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
-                            seed=seed + 1000 * trial, check_communicate=not db_only, make_agent=make_agent, **world_kw)
+        for i in range(0, len(tasks), batch):
+            chunk = tasks[i:i + batch]
+            played = run_episodes(agent, world, chunk, seed=seed + 1000 * trial + i)
+            for ep, task in zip(played, chunk):
+                if not ep.errored:  # a failed user or endpoint says nothing about the model: not scored
+                    world.score(ep, task, basis)
+            eps += played
     return eps
 
 
-def summarize(eps, ks):
-    """-> {group: {"n": tasks, "reward": mean, "pass^k": ...}} for "all" and every task kind."""
+def summarize(eps, ks, world):
+    """-> {"all": {...}, <task kind>: {...} where there are several, "figures": the world's own}: n (tasks with
+    scored trials), the mean reward, pass^k with a 95% interval, pass@k, and the errored episodes and why."""
     by = defaultdict(lambda: defaultdict(list))
     by["all"] = defaultdict(list)  # present even when every episode errored
     for e in eps:
         if not e.errored:
             by["all"][e.task_id].append(e.reward)
             by[e.kind or "-"][e.task_id].append(e.reward)
+    if len({e.kind for e in eps}) < 2:
+        by = {"all": by["all"]}
     out = {}
     for group, outcomes in by.items():
         trials = sum(len(r) for r in outcomes.values())
         out[group] = {"n": len(outcomes), "reward": sum(sum(r) for r in outcomes.values()) / trials if trials else None}
         for k in ks:
             out[group][f"pass^{k}"] = pass_hat_k(outcomes, k)
+            out[group][f"pass^{k}_ci95"] = bootstrap(outcomes, k) if group == "all" else None
             out[group][f"pass@{k}"] = pass_at_k(outcomes, k)
     out["all"]["errored"] = sum(e.errored for e in eps)
     if out["all"]["errored"]:
         out["all"]["errored_reasons"] = dict(errored_reasons(eps))
+    out["figures"] = world.summary(eps)
     return out
 
 
 def markdown(results, ks):
-    """results: {model name: summary} -> one table, overall then per kind."""
-    groups = ["all"] + sorted({g for s in results.values() for g in s} - {"all"})
-    head = "| model | tasks | " + " | ".join(f"pass^{k}" for k in ks) + " |"
-    lines = [head, "|" + "---|" * (2 + len(ks))]
-    for g in groups:
-        for name, s in results.items():
-            if g in s:
-                cells = [f"{100 * s[g][f'pass^{k}']:.1f}" if s[g][f"pass^{k}"] is not None else "-" for k in ks]
-                label = name if g == "all" else f"{name} / {g}"
-                lines.append(f"| {label} | {s[g]['n']} | " + " | ".join(cells) + " |")
+    """results: {model: {world: summary}} -> one table: pass^k [95% interval] per world (and per task kind), and
+    each world's own figures."""
+    pct = lambda v: f"{100 * v:.1f}" if isinstance(v, (int, float)) and v is not None else "-"  # noqa: E731
+    lines = ["| model | world | tasks | " + " | ".join(f"pass^{k} [95% CI]" for k in ks) + " | figures |",
+             "|" + "---|" * (4 + len(ks))]
+    for name, per in results.items():
+        for world, s in per.items():
+            for group in ["all"] + sorted(g for g in s if g not in ("all", "figures")):
+                cells = [pct(s[group][f"pass^{k}"]) + (" [" + ", ".join(map(pct, s[group][f"pass^{k}_ci95"])) + "]"
+                                                        if s[group][f"pass^{k}_ci95"] else "") for k in ks]
+                label = world if group == "all" else f"{world} / {group}"
+                figures = "; ".join(f"{k} {pct(v) if isinstance(v, float) else json.dumps(v)}"
+                                    for k, v in s["figures"].items() if v is not None) if group == "all" else ""
+                lines.append(f"| {name} | {label} | {s[group]['n']} | " + " | ".join(cells) + f" | {figures} |")
     return "\n".join(lines)
 
 
@@ -117,31 +138,12 @@ def parse_models(specs):
     return out
 
 
-def endpoint_agents(chat, tools_of, **kw):
-    """make_agent for run_episodes when an endpoint plays the agent (None without one), and the list of the
-    agents it makes, in task order: their endpoint errors are read after the episodes."""
-    made = []
-
-    def make_agent(task, seed):
-        made.append(ChatAgent(chat, tools_of(task), seed=seed, **kw))
-        return made[-1]
-    return (make_agent if chat is not None else None), made
-
-
-def write_transcripts(path, eps, extras=None):
-    """One JSON line per episode, without its token ids; extras: one dict per episode to add to its line."""
+def write_transcripts(path, eps):
+    """One JSON line per episode, without its token ids."""
     with open(path, "w") as f:
-        for ep, extra in zip(eps, extras or [{}] * len(eps)):
-            row = {k: v for k, v in ep.to_json().items() if k not in ("ids", "loss_mask", "logprobs")}
-            f.write(json.dumps({**row, **extra}) + "\n")
-
-
-def write_results(out, results, table):
-    print(table)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(table + "\n")
+        for ep in eps:
+            f.write(json.dumps({k: v for k, v in ep.to_json().items() if k not in ("ids", "loss_mask", "logprobs")})
+                    + "\n")
 
 
 def main(argv=None):
@@ -156,16 +158,14 @@ def main(argv=None):
     g.add_argument("--agent-model", default=None, help="model name at an endpoint in --models (default: its name)")
     g.add_argument("--thinking", default=None, choices=["on", "off"],
                    help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
-    g.add_argument("--bench", default="tau2", choices=["tau2", "bfcl"],
-                   help="tau2: pass^k on retail tasks; bfcl: BFCL v3's multi-turn categories")
-    g = p.add_argument_group("data (tau2)")
+    g = p.add_argument_group("worlds (default: the generated shop's test split)")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and test_tasks.jsonl")
     g.add_argument("--tasks", default=None, help="any tau2 tasks.json / our JSONL (default: the generated test split)")
     g.add_argument("--db", default=None, help="the db.json the --tasks run on (default: <data-dir>/shop.json)")
-    g.add_argument("--n-tasks", type=int, default=None, help="only the first n tasks")
-    g.add_argument("--policy", dest="policy_file", default=None, help="the agent's domain policy (default: "
-                   "policy.md beside --tasks, if there; 'none': the generated shop's short prompt)")
-    g.add_argument("--domain", nargs="+", default=None, choices=["retail", "airline", "telecom"],
+    g.add_argument("--n-tasks", type=int, default=None, help="only the first n tasks (of each world)")
+    g.add_argument("--policy-file", default=None, help="the agent's domain policy (default: policy.md beside --tasks, "
+                   "if there; 'none': the generated shop's short prompt)")
+    g.add_argument("--domain", nargs="+", default=None, choices=env.TAU2_DOMAINS,
                    help="tau2-bench domains, run and scored by tau2's own code (needs requirements-tau2.txt); a "
                         "--tasks file inside a tau2 domain folder picks its domain the same way")
     g.add_argument("--split", default="test", help="with --domain: tau2's task split (train, test, base; telecom "
@@ -173,210 +173,187 @@ def main(argv=None):
     g.add_argument("--judge", default=None, help="with --domain: OpenAI-compatible URL of the LLM that judges "
                                                   "tau2's NL assertions (default: reported as not judged)")
     g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")
-    g = p.add_argument_group("data (bfcl)")
-    g.add_argument("--categories", nargs="+", default=None, help="with or without 'multi_turn_' (default: all four)")
-    g.add_argument("--n", type=int, default=None, help="only the first n entries of each category (of 200)")
-    g.add_argument("--batch", type=int, default=50, help="BFCL entries played together (one run_episodes batch)")
+    g.add_argument("--bench", default="tau2", choices=["tau2", "bfcl"],
+                   help="tau2: the shop or tau2's domains; bfcl: BFCL v3's multi-turn categories")
+    g.add_argument("--categories", nargs="+", default=None, help="with --bench bfcl: with or without 'multi_turn_' "
+                                                                  "(default: all four)")
+    g.add_argument("--n", type=int, default=None, help="with --bench bfcl: the first n entries of each category")
     g = p.add_argument_group("rollout")
-    g.add_argument("--k", type=int, default=4, help="trials per task (tau2; BFCL plays each entry once)")
+    g.add_argument("--k", type=int, default=4, help="trials per task (BFCL plays each entry once)")
     # the agent decodes greedily, as tau-bench's run.py does by default (--temperature 0.0): pass^k then measures
     # consistency over the user's variations (the scripted user words each trial differently), not sampling luck
     g.add_argument("--temperature", type=float, default=0.0, help="the agent's sampling temperature (0: greedy)")
-    g.add_argument("--db-only", action="store_true", help="skip the communicate_info check (training's reward)")
+    g.add_argument("--db-only", action="store_true", help="score the database alone (grpo.py --reward-basis db)")
     g.add_argument("--max-turns", type=int, default=None,
-                   help="agent turns per episode (default 16; BFCL: 21 per user turn, past BFCL's step limit)")
+                   help="agent turns per episode (default 16; tau2: 30; BFCL: 21 per user turn, past BFCL's limit)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
+    g.add_argument("--batch", type=int, default=64, help="episodes played together (one run_episodes call)")
     g.add_argument("--seed", type=int, default=1234, help="trial t plays with seed + 1000 t")
     add_user_args(p)
     g = p.add_argument_group("output")
-    g.add_argument("--out", default=None, help="results.json, results.md, a transcript JSONL per model (default: "
-                                                "out/eval, out/eval_bfcl)")
-    ns = p.parse_args(argv)
-    check_flags(p, ns, [  # checked up front: one line naming the flag and what it may be
-            ("--k", ns.k >= 1, ">= 1"), ("--temperature", ns.temperature >= 0, ">= 0 (0: greedy)"),
-            ("--n-tasks", ns.n_tasks is None or ns.n_tasks >= 1, ">= 1"),
-            ("--max-turns", ns.max_turns is None or ns.max_turns >= 1, ">= 1"),
-            ("--max-new-tokens", ns.max_new_tokens >= 1, ">= 1"), ("--max-len", ns.max_len >= 2, ">= 2"),
-            ("--llm-concurrency", ns.llm_concurrency >= 1, ">= 1"), ("--llm-deadline", ns.llm_deadline > 0, "> 0")])
-    a = vars(ns)
-    bench, bfcl_kw = a.pop("bench"), {k: a.pop(k) for k in ("categories", "n", "batch")}
-    tau2_kw = {k: a.pop(k) for k in ("domain", "split", "judge", "judge_model")}
-    tasks_domain = env.tau2_domain_of(a["tasks"])
-    # airline and telecom tasks run on tau2's code (only there); retail's run there when they are the installed
-    # tau2's own, else on env.py's world, which follows the newer tau2 (../shared: get_item_details) and needs no tau2
-    own = tasks_domain == "retail" and env.has_tau2() and env.is_installed_tau2_data(a["tasks"])
-    if bench == "tau2" and (tau2_kw["domain"] or tasks_domain and (tasks_domain != "retail" or own)):
-        tau2_kw["domain"] = tau2_kw["domain"] or [tasks_domain]
-        drop = ("data_dir", "policy_file", "backend")
-        return run_tau2(**tau2_kw, backend=a["backend"], **{k: v for k, v in a.items() if k not in drop})
-    if bench == "bfcl":
-        shared = ("models", "backend", "vllm_gpu_memory", "agent_model", "thinking", "temperature", "max_turns",
-                  "max_new_tokens", "max_len", "seed", "out", "llm_concurrency", "llm_deadline")
-        return run_bfcl(**bfcl_kw, **{k: a[k] for k in shared})
-    return run(**a)
-
-
-def run(*, models, backend, data_dir, tasks, db, n_tasks, k, temperature, db_only, max_turns, max_new_tokens,
-        max_len, seed, user, user_model, user_guidelines, out, agent_model=None, policy_file=None, thinking=None,
-        llm_concurrency=64, llm_deadline=300.0, vllm_gpu_memory=0.5):
-    """Evaluate every model on the same tasks and users; print and write the table. -> results dict."""
-    if backend == "vllm":
+    g.add_argument("--out", default=None, help="results.json, results.md, a transcript JSONL per model and world "
+                                                "(default: out/eval)")
+    a = p.parse_args(argv)
+    check_flags(p, a, [  # checked up front: one line naming the flag and what it may be
+            ("--k", a.k >= 1, ">= 1"), ("--temperature", a.temperature >= 0, ">= 0 (0: greedy)"),
+            ("--n-tasks", a.n_tasks is None or a.n_tasks >= 1, ">= 1"),
+            ("--max-turns", a.max_turns is None or a.max_turns >= 1, ">= 1"),
+            ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
+            ("--batch", a.batch >= 1, ">= 1"), ("--llm-concurrency", a.llm_concurrency >= 1, ">= 1"),
+            ("--llm-deadline", a.llm_deadline > 0, "> 0")])
+    if a.judge and not a.judge_model:
+        p.error("--judge needs --judge-model")
+    if a.backend == "vllm":
         require_vllm()
-    out, max_turns = out or "out/eval", max_turns or 16
-    torch.manual_seed(seed)
-    shop = env.load_db(db or os.path.join(data_dir, "shop.json"))
-    tasks_path = tasks or os.path.join(data_dir, "test_tasks.jsonl")
-    test = env.load_tasks(tasks_path)[:n_tasks]
-    if not test:
+    return run(a)
+
+
+def named_worlds(a):
+    """The worlds the flags name, each with its tasks: {name: (world, tasks)}."""
+    users = user_backend(a.user, a.user_model, concurrency=a.llm_concurrency, deadline=a.llm_deadline)
+    guidelines = env.load_guidelines(a.user_guidelines) if a.user_guidelines else None
+    if a.bench == "bfcl":
+        w = BFCL(a.categories, a.n, max_turns=a.max_turns)
+        return {w.name: (w, w.tasks)}
+    # airline and telecom tasks run on tau2's code (only there); retail's run there when they are the installed
+    # tau2's own, else on env.py's tools, which follow the newer tau2 (../shared: get_item_details) and need no tau2
+    domain = env.tau2_domain_of(a.tasks)
+    own = domain == "retail" and env.has_tau2() and env.is_installed_tau2_data(a.tasks)
+    if a.domain or domain and (domain != "retail" or own):
+        out = {}
+        for name in a.domain or [domain]:  # a --tasks file replaces the split (and --db the database) of its domain
+            w = env.Tau2(name, db=a.db if a.tasks else None, judge=(a.judge, a.judge_model) if a.judge else None,
+                         user=users, guidelines=guidelines, max_turns=a.max_turns or 30)
+            out[name] = (w, w.tasks(a.split, path=a.tasks)[:a.n_tasks])
+            if not out[name][1]:
+                raise SystemExit(f"evaluate.py: no {name} tasks in split {a.split!r}")
+        return out
+    tasks_path = a.tasks or os.path.join(a.data_dir, "test_tasks.jsonl")
+    beside = env.guidelines_beside(a.tasks)
+    w = env.Shop(env.load_db(a.db or os.path.join(a.data_dir, "shop.json")), name=domain, user=users,
+                 policy=env.policy_text(a.policy_file, a.tasks), max_turns=a.max_turns or 16,
+                 guidelines=guidelines or (env.load_guidelines(beside) if beside else None))
+    tasks = env.load_tasks(tasks_path)[:a.n_tasks]
+    if not tasks:
         raise SystemExit(f"evaluate.py: no tasks in {tasks_path}")
-    make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
-                                  concurrency=llm_concurrency, deadline=llm_deadline)
-    system_prompt = agent_system_prompt(policy_file, tasks)
+    return {w.name: (w, tasks)}
+
+
+def run(a):
+    """Every model in every world the flags name; print and write the table. -> {model: {world: summary}}."""
+    worlds, out = named_worlds(a), a.out or "out/eval"
+    torch.manual_seed(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     os.makedirs(out, exist_ok=True)
-    ks = list(range(1, k + 1))
-    results, every = {}, []  # every: each model's episodes, lightened: a run that scored nothing must not exit 0
-    for name, path in parse_models(models).items():
-        gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
-                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
-                                    vllm_gpu_memory=vllm_gpu_memory, max_model_len=max_len + max_new_tokens, seed=seed)
-        make_agent, agents = endpoint_agents(chat, lambda task: env.TOOL_SCHEMAS, deadline=4 * llm_deadline,
-                                             max_new_tokens=max_new_tokens, temperature=temperature)
-        eps = evaluate_model(gen, tok, test, shop, make_user, k=k, seed=seed, db_only=db_only, max_turns=max_turns,
-                             max_len=max_len, max_new_tokens=max_new_tokens, temperature=temperature,
-                             system_prompt=system_prompt, make_agent=make_agent)
-        for ep, agent in zip(eps, agents):  # an endpoint that failed says nothing about the model: left out
-            if agent.error:
-                ep.errored, ep.end_reason, ep.error = True, "agent_error", agent.error
-        write_transcripts(os.path.join(out, f"{name}.jsonl"), eps)
-        results[name] = summarize(eps, ks)
-        a = results[name]["all"]
-        print(f"{name}: pass^1 {_fmt(a['pass^1'])} over {a['n']} tasks, pass@{k} {_fmt(a[f'pass@{k}'])} "
-              f"(solved in at least one of {k} trials), {a['errored']} errored episodes", flush=True)
-        if a["errored"]:
-            print(f"  {name}: {errored_summary(eps)}", flush=True)
-        every += [SimpleNamespace(errored=e.errored, error=e.error, end_reason=e.end_reason) for e in eps]
-        close(gen)
-    write_results(out, results, markdown(results, [n for n in (1, 2, 4, 8) if n <= k] or [1]))
+    ks = list(range(1, max(w.trials or a.k for w, _ in worlds.values()) + 1))
+    results, every = {}, []  # every: each episode, lightened: a run that scored nothing must not exit 0
+    for name, path in parse_models(a.models).items():
+        gen, tok, chat = load_agent(path, backend=a.backend, endpoint_model=a.agent_model or name, device=device,
+                                    thinking=a.thinking, concurrency=a.llm_concurrency, deadline=a.llm_deadline,
+                                    vllm_gpu_memory=a.vllm_gpu_memory, max_model_len=a.max_len + a.max_new_tokens,
+                                    seed=a.seed)
+        agent = (TextAgents(lambda task, seed: ChatAgent(chat, a.max_new_tokens, a.temperature, seed,
+                                                         deadline=4 * a.llm_deadline)) if chat else
+                 TokenAgent(gen, tok, max_new_tokens=a.max_new_tokens, temperature=a.temperature, max_len=a.max_len))
+        results[name] = {}
+        for wname, (world, tasks) in worlds.items():
+            world.begin(name, native_tools=chat is not None)
+            k = world.trials or a.k
+            eps = evaluate(agent, world, tasks, k=k, seed=a.seed, batch=a.batch, basis="db" if a.db_only else "task")
+            write_transcripts(os.path.join(out, f"{name}_{wname}.jsonl"), eps)
+            s = results[name][wname] = summarize(eps, ks, world)
+            print(f"{name} / {wname}: pass^1 {_fmt(s['all']['pass^1'])} over {s['all']['n']} tasks, pass@{k} "
+                  f"{_fmt(s['all'].get(f'pass@{k}'))} (solved in at least one of {k} trials), "
+                  f"{s['all']['errored']} errored episodes", flush=True)
+            if s["all"]["errored"]:
+                print(f"  {name}: {errored_summary(eps)}", flush=True)
+            every += [argparse.Namespace(errored=e.errored, error=e.error, end_reason=e.end_reason) for e in eps]
+        if hasattr(gen, "shutdown"):  # a vLLM engine frees its memory before the next model's starts
+            gen.shutdown()
+    table = markdown(results, [n for n in (1, 2, 4, 8) if n <= len(ks)])
+    print(table)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(table + "\n")
+    if every and all(e.end_reason == "agent_error" for e in every):  # scored 0 by BFCL, but nothing was measured
+        unit = next(iter(worlds.values()))[0].unit
+        raise SystemExit(f"evaluate.py: every {unit}'s agent endpoint failed ({len(every)} of {len(every)}), the first "
+                         f"because {short_reason(every[0].error)}; nothing was measured (transcripts in {out})")
     if all_errored(every):
         raise SystemExit(f"evaluate.py: {all_errored(every)}; nothing was scored (transcripts in {out})")
     return results
 
 
 # ----------------------------------------------------------------------------------------------------
-# tau2-bench domains on tau2's own code (--domain; requirements-tau2.txt says how to install tau2): each episode
-# plays in a fresh tau2 environment (env.Tau2Domain), the user's own tool calls included (telecom), and is scored by
-# tau2's evaluator on the task's reward basis. pass^k per domain with a 95% bootstrap interval over tasks; telecom
-# also shows the paper's TCR (the fraction of the reward basis' criteria met). Without --user the user is the
-# gold replay of the task's user side (env.GoldUser): no LLM needed, but no real customer either.
-
-def bootstrap(outcomes, k, n=1000, seed=0):
-    """95% interval of pass^k over tasks: tasks resampled with replacement n times. -> (low, high) or None."""
-    per = [comb(int(sum(rs)), k) / comb(len(rs), k) for rs in outcomes.values() if len(rs) >= k]
-    if not per:
-        return None
-    rng = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(per), (n, len(per)), generator=rng)
-    means = torch.tensor(per, dtype=torch.float64)[idx].mean(1).sort().values
-    return float(means[int(0.025 * n)]), float(means[min(n - 1, int(0.975 * n))])
-
-
-def summarize_tau2(eps, ks, domain):
-    """summarize's "all" row plus 95% intervals, TCR, NL-assertion counts and which world scored the episodes."""
-    s = summarize(eps, ks)["all"]
-    outcomes = defaultdict(list)
-    for e in eps:
-        if not e.errored:
-            outcomes[e.task_id].append(e.reward)
-    for k in ks:
-        s[f"pass^{k}_ci95"] = bootstrap(outcomes, k)
-    scored = [e.reward_info for e in eps if not e.errored and e.reward_info]
-    met, total = sum(r.get("met", 0) for r in scored), sum(r.get("criteria", 0) for r in scored)
-    s["tcr"] = met / total if total else None
-    nl = [r for r in scored if r.get("nl_assertions")]
-    s["nl_assertions"] = {"episodes": len(nl), "judged": sum(r.get("nl_met") is not None for r in nl),
-                          "met": sum(all(r["nl_met"]) for r in nl if r.get("nl_met") is not None)}
-    s["score_errors"] = sum("error" in r for r in scored)
-    s["world"] = f"tau2 {domain.version} (tau2's own code: environment and evaluator)"
-    return s
-
-
-def markdown_tau2(results, ks):
-    """results: {model: {domain: summary}} -> one table: pass^k [95% interval] per domain, telecom's TCR."""
-    pct = lambda v: f"{100 * v:.1f}" if v is not None else "-"  # noqa: E731
-    head = "| model | domain | tasks | " + " | ".join(f"pass^{k} [95% CI]" for k in ks) + " | TCR | NL assertions |"
-    lines = [head, "|" + "---|" * (5 + len(ks))]
-    for name, per in results.items():
-        for dom, s in per.items():
-            cells = [f"{pct(s[f'pass^{k}'])} [{', '.join(map(pct, s[f'pass^{k}_ci95'] or (None, None)))}]"
-                     for k in ks]
-            nl = s["nl_assertions"]
-            nl_text = (f"{nl['judged']} of {nl['episodes']} episodes judged, {nl['met']} met" if nl["episodes"]
-                       else "none")
-            tcr = pct(s["tcr"]) if dom == "telecom" else "-"
-            lines.append(f"| {name} | {dom} | {s['n']} | " + " | ".join(cells) + f" | {tcr} | {nl_text} |")
-    return "\n".join(lines)
-
-
-def run_tau2(*, models, domain, split, judge, judge_model, backend, tasks, db, n_tasks, k, temperature, db_only,
-             max_turns, max_new_tokens, max_len, seed, user, user_model, user_guidelines, out, agent_model=None,
-             thinking=None, llm_concurrency=64, llm_deadline=300.0, vllm_gpu_memory=0.5):
-    """Every model on every domain's split, on tau2's code; print and write the tables. -> results dict."""
-    if backend == "vllm":
-        require_vllm()
-    if judge and not judge_model:
-        raise SystemExit("evaluate.py: --judge needs --judge-model")
-    out, max_turns = out or "out/eval_tau2", max_turns or 30
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    os.makedirs(out, exist_ok=True)
-    ks = list(range(1, k + 1))
-    worlds = {}
-    for name in domain:  # a --tasks file replaces the split (and --db the agent's database) of its own domain
-        d = env.Tau2Domain(name, db=db if tasks else None)
-        worlds[name] = (d, d.tasks(split, path=tasks)[:n_tasks])
-        if not worlds[name][1]:
-            raise SystemExit(f"evaluate.py: no {name} tasks in split {split!r}")
-    results = {}
-    for name, path in parse_models(models).items():
-        gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
-                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
-                                    vllm_gpu_memory=vllm_gpu_memory)
-        results[name] = {}
-        for dom, (d, test) in worlds.items():
-            make_user = tau2_user_factory(d, user, user_model, user_guidelines, concurrency=llm_concurrency,
-                                          deadline=llm_deadline)
-            make_agent, agents = endpoint_agents(chat, lambda task: d.tools, deadline=4 * llm_deadline,
-                                                 max_new_tokens=max_new_tokens, temperature=temperature)
-            world_kw = tau2_episode_kw(d, "db" if db_only else "task", judge=(judge, judge_model) if judge else None)
-            eps = evaluate_model(gen, tok, test, world_kw.pop("db"), make_user, k=k, seed=seed, db_only=db_only,
-                                 max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, make_agent=make_agent, **world_kw)
-            for ep, agent in zip(eps, agents):  # an endpoint that failed says nothing about the model: left out
-                if agent.error:
-                    ep.errored, ep.end_reason, ep.error = True, "agent_error", agent.error
-            write_transcripts(os.path.join(out, f"{name}_{dom}.jsonl"), eps)
-            s = results[name][dom] = summarize_tau2(eps, ks, d)
-            print(f"{name} / {dom}: pass^1 {_fmt(s['pass^1'])} over {s['n']} tasks ({tasks or split + ' split'}), "
-                  f"{s['errored']} errored episodes; {s['world']}", flush=True)
-        del gen
-    write_results(out, results, markdown_tau2(results, [n for n in (1, 2, 3, 4) if n <= k]))
-    return results
-
-
-# ----------------------------------------------------------------------------------------------------
-# BFCL v3 multi-turn (--bench bfcl; `pip install --no-deps -r requirements-bfcl.txt`). Each entry is one episode
-# of rollout.run_episodes: a replaying user says the entry's user turns in order, the tools are the entry's
-# function docs as JSON-schema tools, and calls run in bfcl-eval's own backends. A turn lasts until the agent
-# answers without a tool call. Each turn's calls, read back from the transcript, then go to bfcl-eval's own
-# multi_turn_checker. Accuracy is BFCL's: entries passed / entries, and the unweighted mean of the four categories.
-# Safety: bfcl-eval runs calls with eval() of call strings; ours are built from parsed JSON only (a name among the
-# entry's functions, identifier argument names, repr() of JSON values). Model text never reaches eval.
+# BFCL v3 multi-turn (--bench bfcl; `pip install --no-deps -r requirements-bfcl.txt`), a world used only here. Each
+# entry is one episode: a replaying user says the entry's user turns in order, the tools are the entry's function
+# docs as JSON-schema tools, and calls run in bfcl-eval's own backends. A turn lasts until the agent answers without
+# a tool call. Each turn's calls, read back from the transcript, go to bfcl-eval's own multi_turn_checker. Accuracy
+# is BFCL's: entries passed / entries (an endpoint that failed fails its entry), and the unweighted mean of the four
+# categories. Safety: bfcl-eval runs calls with eval() of call strings; ours are built from parsed JSON only (a name
+# among the entry's functions, identifier argument names, repr() of JSON values). Model text never reaches eval.
 
 BFCL_CATEGORIES = ["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context"]
 BFCL_INSTALL = "pip install --no-deps -r requirements-bfcl.txt"
 _bfcl = {}
+
+
+class BFCL(env.World):
+    """BFCL v3's multi-turn categories: tasks are entries {"id", "kind": category, "entry"}, one trial each."""
+    name, trials, unit = "bfcl", 1, "entry"
+
+    def __init__(self, categories=None, n=None, max_turns=None):
+        self.categories = bfcl_categories(categories)
+        self.tasks = [{"id": e["id"], "kind": e["category"], "entry": e} for e in bfcl_entries(self.categories, n)]
+        # BFCL fails an entry once a turn takes more than 20 steps (bfcl_decode); until then nothing else may stop it
+        limit = bfcl()["prompts"].MAXIMUM_STEP_LIMIT + 1
+        super().__init__(max_turns=max_turns or limit * max(len(t["entry"]["question"]) for t in self.tasks))
+        self.run_name, self.fc = "mua_bfcl", False
+
+    def begin(self, run_name, native_tools=False):
+        self.run_name, self.fc = "mua_" + re.sub(r"\W", "_", run_name), native_tools  # bfcl-eval keys by it
+        bfcl_reset(self.run_name)
+
+    def reset(self, task):
+        return BFCLState(task["entry"], self.run_name, self.fc)
+
+    def opening(self, task, state):
+        return []  # no system prompt: BFCL's FC handlers send none, the template's tool preamble is the instruction
+
+    def user(self, task, state, seed):
+        return state.user
+
+    def schemas(self, state):
+        return state.tools()
+
+    def call(self, state, name, arguments, side="agent"):
+        return bfcl_call(state, name, arguments)
+
+    def score(self, ep, task, basis="task"):
+        """bfcl-eval's multi_turn_checker; a result with fewer turns than the gold fails first, as in its runner."""
+        e, decoded = task["entry"], bfcl_decode(ep.messages, ep.state)
+        if len(decoded) != len(e["ground_truth"]):
+            res = {"valid": False, "error_type": "multi_turn:force_terminated",
+                   "error_message": f"{len(decoded)} turns played of {len(e['ground_truth'])}"}
+        else:
+            res = bfcl()["checker"](decoded, e["ground_truth"], e, e["category"], self.run_name)
+        ep.reward_info = {"valid": bool(res["valid"]), "error_type": res.get("error_type"),
+                          "error_message": res.get("error_message"), "decoded": decoded}
+        ep.reward = float(ep.reward_info["valid"])
+        bfcl_reset(self.run_name, e["id"])
+
+    def summary(self, eps):
+        """Each category's entries, passed entries and accuracy, an entry whose endpoint failed counted as failed
+        (BFCL's rule), and the unweighted mean of the four (None unless all four ran, where BFCL shows N/A)."""
+        out = {}
+        for c in self.categories:
+            hits = [e.reward == 1.0 and not e.errored for e in eps if e.kind == c]
+            out[c] = {"n": len(hits), "correct": sum(hits), "accuracy": sum(hits) / len(hits) if hits else None}
+        accs = [out[c]["accuracy"] for c in BFCL_CATEGORIES if c in out]
+        full = len(accs) == len(BFCL_CATEGORIES) and None not in accs
+        return {**out, "overall": {"accuracy": sum(accs) / len(accs) if full else None}}
 
 
 def bfcl():
@@ -432,9 +409,9 @@ def bfcl_tool(doc):
                                              "parameters": retype(doc["parameters"])}}
 
 
-class BFCLWorld:
-    """One entry's episode state, run_episodes' per-episode `db`: the entry, its tool schemas, its replaying user
-    (whose turn says which held-out docs are back), and the name bfcl-eval keeps its backend instances under."""
+class BFCLState:
+    """One entry's episode state: the entry, its tool schemas, its replaying user (whose turn says which held-out
+    docs are back), and the name bfcl-eval keeps its backend instances under."""
 
     def __init__(self, entry, run_name, fc=False):
         self.entry, self.run_name, self.fc = entry, run_name, fc
@@ -529,112 +506,12 @@ def bfcl_decode(messages, world):
     return turns
 
 
-def bfcl_reset(run_name):
+def bfcl_reset(run_name, entry_id=None):
     """Drop the backend instances bfcl-eval keeps in its module globals, keyed by model name and entry id (the
     rollout's, the checker's and the gold's), so another run of the same entries starts from the initial state."""
-    g = vars(bfcl()["exec_utils"])
-    for key in [k for k in g if k.startswith(run_name + "_") and k.endswith("_instance")]:
+    g, mark = vars(bfcl()["exec_utils"]), re.sub(r"[-./:]", "_", f"_{entry_id}_") if entry_id else ""
+    for key in [k for k in g if k.startswith(run_name + "_") and k.endswith("_instance") and mark in k]:
         del g[key]
-
-
-def bfcl_play(gen, tok, entries, *, run_name, make_agent=None, fc=False, batch=50, max_turns, max_len,
-              max_new_tokens, temperature, seed):
-    """Play every entry once through run_episodes, `batch` entries at a time. -> (episodes, worlds)."""
-    bfcl_reset(run_name)
-    worlds = [BFCLWorld(e, run_name, fc) for e in entries]
-    tasks = [{"id": e["id"], "kind": e["category"], "world": w} for e, w in zip(entries, worlds)]
-    eps = []
-    for i in range(0, len(tasks), batch):
-        # no system prompt: BFCL's FC handlers send none, the template's tool preamble is the instruction
-        eps += run_episodes(gen, tok, tasks[i:i + batch], lambda t: t["world"], lambda t, s: t["world"].user,
-                            tools=lambda t: t["world"].tools(), system_prompt=None, call_tool=bfcl_call,
-                            make_agent=make_agent, score=False, max_turns=max_turns, max_len=max_len,
-                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i)
-    return eps, worlds
-
-
-def bfcl_score(eps, worlds, run_name):
-    """bfcl-eval's multi_turn_checker on every episode. -> one dict per episode: valid, error type and message,
-    and the decoded calls. A result with fewer turns than the gold fails first, as in bfcl-eval's runner."""
-    checker, rows = bfcl()["checker"], []  # bfcl_play cleared this name's instances, the checker's too
-    for ep, w in zip(eps, worlds):
-        e, decoded = w.entry, bfcl_decode(ep.messages, w)
-        if len(decoded) != len(e["ground_truth"]):
-            res = {"valid": False, "error_type": "multi_turn:force_terminated",
-                   "error_message": f"{len(decoded)} turns played of {len(e['ground_truth'])}"}
-        else:
-            res = checker(decoded, e["ground_truth"], e, e["category"], run_name)
-        rows.append({"valid": bool(res["valid"]), "error_type": res.get("error_type"),
-                     "error_message": res.get("error_message"), "decoded": decoded})
-    bfcl_reset(run_name)
-    return rows
-
-
-def bfcl_summary(eps, rows, categories):
-    """-> {category: {"n", "correct", "accuracy"}, "overall": {"accuracy"}}; the overall is the unweighted
-    mean of the four categories (None unless all four ran, where BFCL shows N/A)."""
-    out = {}
-    for c in categories:
-        hits = [r["valid"] for ep, r in zip(eps, rows) if ep.kind == c]
-        out[c] = {"n": len(hits), "correct": sum(hits), "accuracy": sum(hits) / len(hits) if hits else None}
-    accs = [out[c]["accuracy"] for c in BFCL_CATEGORIES if c in out]
-    full = len(accs) == len(BFCL_CATEGORIES) and None not in accs
-    out["overall"] = {"accuracy": sum(accs) / len(accs) if full else None}
-    return out
-
-
-def bfcl_markdown(results, categories):
-    head = "| model | overall | " + " | ".join(c.removeprefix("multi_turn_") for c in categories) + " |"
-    lines = [head, "|" + "---|" * (2 + len(categories))]
-    pct = lambda v: f"{100 * v:.1f}" if v is not None else "-"  # noqa: E731
-    for name, s in results.items():
-        lines.append(f"| {name} | {pct(s['overall']['accuracy'])} | "
-                     + " | ".join(pct(s[c]["accuracy"]) for c in categories) + " |")
-    return "\n".join(lines)
-
-
-def close(gen):
-    """One model's sampler done: a vLLM engine is shut down (its memory freed) before the next model's starts."""
-    if hasattr(gen, "shutdown"):
-        gen.shutdown()
-
-
-def run_bfcl(*, models, backend, agent_model, categories, n, batch, temperature, max_turns, max_new_tokens,
-             max_len, seed, out, thinking=None, llm_concurrency=64, llm_deadline=300.0, vllm_gpu_memory=0.5):
-    """Every model on the chosen BFCL categories; print and write the table. -> results dict."""
-    out = out or "out/eval_bfcl"
-    categories = bfcl_categories(categories)
-    entries = bfcl_entries(categories, n)
-    # BFCL fails an entry once a turn takes more than 20 steps (bfcl_decode); until then nothing else may stop it
-    max_turns = max_turns or (bfcl()["prompts"].MAXIMUM_STEP_LIMIT + 1) * max(len(e["question"]) for e in entries)
-    torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    os.makedirs(out, exist_ok=True)
-    results, failed = {}, []  # failed: each entry's endpoint error, or None
-    for name, path in parse_models(models).items():
-        run_name = "mua_" + re.sub(r"\W", "_", name)  # bfcl-eval keys instances by it: no spaces, no '@'
-        gen, tok, chat = load_agent(path, backend=backend, endpoint_model=agent_model or name, device=device,
-                                    thinking=thinking, concurrency=llm_concurrency, deadline=llm_deadline,
-                                    vllm_gpu_memory=vllm_gpu_memory, max_model_len=max_len + max_new_tokens, seed=seed)
-        make_agent, agents = endpoint_agents(chat, lambda task: task["world"].tools, deadline=4 * llm_deadline,
-                                             max_new_tokens=max_new_tokens, temperature=temperature)
-        eps, worlds = bfcl_play(gen, tok, entries, run_name=run_name, make_agent=make_agent, fc=chat is not None,
-                                batch=batch, max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens,
-                                temperature=temperature, seed=seed)
-        rows = bfcl_score(eps, worlds, run_name)
-        errors = [a.error for a in agents] or [None] * len(eps)  # an endpoint's failure fails the entry, as in BFCL
-        write_transcripts(os.path.join(out, f"{name}.jsonl"), eps,
-                          [{"bfcl": r, "agent_error": err} for r, err in zip(rows, errors)])
-        results[name] = bfcl_summary(eps, rows, categories)
-        print(f"{name}: {sum(r['valid'] for r in rows)} of {len(rows)} entries passed, "
-              f"{sum(e is not None for e in errors)} endpoint errors", flush=True)
-        failed += errors
-        close(gen)
-    write_results(out, results, bfcl_markdown(results, categories))
-    if failed and all(e is not None for e in failed):  # scored 0 as BFCL does, but nothing was measured
-        raise SystemExit(f"evaluate.py: every entry's agent endpoint failed ({len(failed)} of {len(failed)}), the "
-                         f"first because {short_reason(failed[0])}; nothing was measured (transcripts in {out})")
-    return results
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """
-grpo.py: MUA-RL's reinforcement learning. The policy plays whole conversations with a simulated user,
-calling real tools, and learns from the 0/1 task reward alone with GRPO (no value model).
+grpo.py: MUA-RL's reinforcement learning. The policy plays whole conversations with a simulated user, calling real
+tools, and learns from the 0/1 task reward alone with GRPO (no value model).
 
     python grpo.py --model out/sft                       # CPU demo: SFT model, scripted user (the default)
     python grpo.py --model tests/tiny_base --out out/grpo_rl_only  # RL only, from the base (no cold start)
@@ -15,30 +15,28 @@ policy trains (rollout.print_memory_plan: 68.5 GiB peak per GPU; the run checks 
         --micro-batch 1 --fsdp on --activation-checkpointing on --vllm-gpu-memory 0.7 \
         --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B
 
-One step (grpo_step, the first function below): sample B train tasks; play G rollouts of each (temperature 1.0)
-with the user in the loop; reward each 0/1 (--reward-basis task, the default: what evaluate.py scores, the
-database check and the information the agent had to say; db: the database check alone, the paper's); advantage
-= (r - group mean) / (group std + 1e-4); PPO-clipped policy loss against the log-probs frozen at rollout time,
-summed over the policy's own tokens and divided by their number in the whole global batch; optional k3 KL to a
-frozen reference (beta 0: no reference model is loaded). Groups whose rewards are all equal carry no gradient:
-they are counted, logged, and (--drop-zero-spread) replaced by fresh groups; a step in which every group is so
-skips the update.
+One step (grpo_step, the first function below): sample B train tasks; play G episodes of each (temperature 1.0) with
+the user in the loop; the world scores each 0/1 (--reward-basis task, the default: what evaluate.py scores, the
+database check and the information the agent had to say; db: the database check alone, the paper's); advantage =
+(r - group mean) / (group std + 1e-4); PPO-clipped policy loss against the log-probs frozen at rollout time, summed
+over the policy's own tokens and divided by their number in the global mini-batch; optional k3 KL to a frozen
+reference (beta 0: no reference model is loaded). Groups whose rewards are all equal carry no gradient: they are
+counted, logged, and (--drop-zero-spread) replaced by fresh groups; a step in which every group is so skips the
+update.
 
 A reading path through the method, in this order:
-  1. grpo.py: grpo_step, collect, group_advantages, policy_loss, update (the next ~200 lines). train(), below
+  1. grpo.py: grpo_step, collect, group_advantages, ppo, update, policy_loss (the next ~170 lines). train(), below
      them, is the loop around the step: setup, task sampling, logging, checkpoints.
-  2. rollout.py, section "episodes": run_episodes, the multi-turn loop (generate a turn; run its tool calls on the
-     episode's own database, or hand its text to the user), and shop_reward, the reward it calls.
-  3. env.py: the tools, compute_reward (the gold actions replayed on a fresh copy, database hashes compared) and
-     ScriptedUser, the simulated customer.
-Skip on a first reading: rollout.Scale (FSDP2, LoRA, the memory plan), VLLMGenerator, and the machinery for
-several ranks after update (balanced_chunks, any_rank); alone on one device none of it changes a number.
+  2. rollout.py: run_episodes, the multi-turn loop (generate a turn; run its tool calls on the episode's own state,
+     or hand its text to the user), and TokenAgent, the policy as token-in, token-out agent.
+  3. env.py: World (the contract), Shop (the tools and the reward: gold actions replayed, database hashes compared)
+     and ScriptedUser, the simulated customer.
 
 What is simplified, and why:
 1. No value model, no reward model: the reward is the task's 0/1 check, and the group of G rollouts of one task
    is the baseline.
-2. Rollouts and training share one process (and one GPU): the transformers sampler reads the live weights,
-   and the vLLM engine gets them pushed (bf16, LoRA merged) after every update. No separate inference service.
+2. Rollouts and training share one process (and one GPU): the transformers sampler reads the live weights, and the
+   vLLM engine gets them pushed (bf16, LoRA merged) after every update. No separate inference service.
 3. One optimizer step per batch by default (--ppo-epochs 1 --mini-batches 1), so the PPO ratio starts at 1 up to
    the difference between the sampler's log-probs and the trainer's (a KV-cached or a bf16 vLLM forward against
    the training forward; tests/gpu_check.py measures it), and clipping only matters when you ask for more.
@@ -57,68 +55,63 @@ import torch
 from tqdm import tqdm
 
 import env
-from rollout import (AdapterOff, HFGenerator, Scale, VLLMGenerator, add_scale_args, add_user_args, agent_system_prompt,
-                     all_reduce_max, all_reduce_sum, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons,
-                     load_model, load_optimizer_state, load_train_state, logprobs_chunked, make_user_factory,
-                     open_metrics, pad_batch, require_vllm, resolve_checkpoint, run_episodes, save_checkpoint,
-                     set_thinking, setup_distributed, shop_reward, tau2_episode_kw, tau2_user_factory, unwrap)
+from rollout import (AdapterOff, HFGenerator, Ranks, Scale, TokenAgent, VLLMGenerator, add_scale_args,
+                     add_user_args, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons, load_model,
+                     load_optimizer_state, load_train_state, logprobs_chunked, open_metrics, pad_batch, require_vllm,
+                     resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap,
+                     user_backend)
 
 
 # ----------------------------------------------------------------------------------------------------
-# one GRPO step: the whole algorithm. Read this first; collect and update come right after it.
+# one GRPO step: the whole algorithm. Read this first; collect, ppo and update come right after it.
 
 
-def grpo_step(policy, ref, opt, gen, tok, tasks, db, make_user, *, step, rank, world, device, seed, batch_tasks,
-              group, drop_zero_spread, mean_only, episode_kw, update_kw, reward=None, weights=None, keys=None):
-    """One GRPO step: sample tasks, roll them out with the user in the loop, score them, group-normalised
-    advantages, one PPO-clip update. `reward(ep, task)` sets each episode's 0/1 reward (train builds it; None: the
-    generated shop's, as run_episodes scores by default); `episode_kw` goes to run_episodes, `update_kw` to
-    update; `weights` (one per task, or None: uniform) to the task draw. -> the step's metrics (one JSONL line)
-    and, under "tally", the step's global [successes, rollouts] per task key (task_key; `keys` as in train), which
-    train() pops into its running tally for --task-sampling spread."""
+def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis, mean_only,
+              drop_zero_spread, update_kw, ranks, weights=None, keys=None):
+    """One GRPO step: sample tasks, play them with the user in the loop, score them, group-normalised advantages,
+    PPO-clip updates. `update_kw` goes to ppo; `weights` (one per task, or None: uniform) to the task draw. -> the
+    step's metrics (one JSONL line) and, under "tally", the step's global [successes, rollouts] per task key
+    (task_key; `keys` as in train), which train() adds to its running tally for --task-sampling spread."""
     t0 = time.time()
-    # 1-3. sample this rank's share of the B tasks, play G episodes of each with the user in the loop (tools run as
-    # they are called), and score each finished episode with reward(ep, task)
-    episodes, zero, played, dropped = collect(gen, tok, tasks, db, make_user, reward=reward, step=step, rank=rank,
-                                              world=world, seed=seed, batch_tasks=batch_tasks, group=group,
-                                              drop_zero_spread=drop_zero_spread, episode_kw=episode_kw,
-                                              weights=weights)
+    # 1-3. this rank's share of the B tasks, G episodes of each with the user in the loop (tools run as they are
+    # called), each scored 0/1 by the world on the reward basis it trains on
+    episodes, zero, played, dropped = collect(agent, world, tasks, step=step, seed=seed, batch_tasks=batch_tasks,
+                                              group=group, reward_basis=reward_basis,
+                                              drop_zero_spread=drop_zero_spread, weights=weights, ranks=ranks)
     t1 = time.time()
     # 4. group-normalised advantages: (r - mean) / std within each task's G episodes. A failed user simulator says
-    # nothing about the policy: its episode gets no gradient and stays out of its group's mean and std
-    advs = group_advantages([e.reward for e in episodes], group, mean_only,
-                            valid=[not e.errored for e in episodes])
-    # 5. one PPO-clip update, unless every group had equal rewards (all advantages 0: no policy gradient)
-    if any_rank((advs != 0).any()):  # any rank's: every rank must take the same branch
-        gen.sleep()  # vLLM hands its GPU memory to the update (the transformers sampler: nothing to do)
-        stats = {**update(policy, ref, opt, episodes, advs, device=device, world=world, **update_kw),
-                 "update_skipped": 0}
-        gen.load_weights(unwrap(policy))  # vLLM gets the new weights (the transformers sampler reads the live ones)
+    # nothing about the policy: its episode stays out of its group's mean and std, and out of the update
+    advs = group_advantages([e.reward for e in episodes], group, mean_only, valid=[not e.errored for e in episodes])
+    # 5. PPO-clip updates, unless every group had equal rewards (all advantages 0: no policy gradient)
+    if ranks.any((advs != 0).any()):  # every rank takes the same branch
+        agent.gen.sleep()  # vLLM hands its GPU memory to the update (the transformers sampler: nothing to do)
+        stats = {**ppo(policy, ref, opt, episodes, advs, ranks=ranks, **update_kw), "update_skipped": 0}
+        agent.gen.load_weights(unwrap(policy))  # vLLM gets the new weights (transformers reads the live ones)
     else:
         stats = {"update_skipped": 1}
-    return {**step_metrics(step, episodes, zero, played, stats, t1 - t0, time.time() - t1, dropped=dropped),
-            "tally": tally_rewards(episodes, tasks, keys or sorted({task_key(t) for t in tasks})).tolist()}
+    return {**step_metrics(step, episodes, zero, played, stats, t1 - t0, time.time() - t1, ranks, dropped=dropped),
+            "tally": tally_rewards(episodes, tasks, keys or sorted({task_key(t) for t in tasks}), ranks).tolist()}
 
 
-def collect(gen, tok, tasks, db, make_user, *, step, rank, world, seed, batch_tasks, group, drop_zero_spread,
-            episode_kw, weights=None, reward=None):
-    """Play G rollouts of this rank's share of B tasks (drawn uniformly, or by `weights`), each scored by
-    reward(ep, task) as it ends. With drop_zero_spread (DAPO's dynamic sampling), groups whose rewards are all
-    equal are replaced by fresh tasks (up to 3 extra rounds). `episode_kw` goes to run_episodes. -> (kept episodes
-    in group order, zero-spread groups, groups played, episodes of the groups dropped: counted in the step's
-    metrics, so that a step whose every episode errored says so)."""
-    rng = random.Random(seed * 1000003 + step * world + rank)
-    want = max(1, batch_tasks // world)
+def collect(agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis, drop_zero_spread, ranks,
+            weights=None):
+    """Play G episodes of this rank's share of B tasks (drawn uniformly, or by `weights`), each scored by the world.
+    With drop_zero_spread (DAPO's dynamic sampling), groups whose rewards are all equal are replaced by fresh tasks
+    (up to 3 extra rounds). -> (kept episodes in group order, zero-spread groups, groups played, episodes of the
+    groups dropped: counted in the step's metrics, so that a step whose every episode errored says so)."""
+    rng = random.Random(seed * 1000003 + step * ranks.world + ranks.rank)
+    want = max(1, batch_tasks // ranks.world)
     kept, dropped, zero, played, rounds = [], [], 0, 0, 0
     while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
         n = want - len(kept) // group
         batch = [rng.choice(tasks) for _ in range(n)] if weights is None else rng.choices(tasks, weights, k=n)
-        # G copies of each task in a row (a group); run_episodes calls reward(ep, task) on each as it ends (None:
-        # its own default, the generated shop's reward)
-        episodes = run_episodes(gen, tok, [t for t in batch for _ in range(group)], db, make_user,
-                                seed=rng.randrange(2**31), score=reward or True, **episode_kw)
-        played += len(batch)
-        for g in range(len(batch)):
+        batch = [t for t in batch for _ in range(group)]  # G copies of each task in a row: a group
+        episodes = run_episodes(agent, world, batch, seed=rng.randrange(2**31))
+        for ep, task in zip(episodes, batch):
+            if not ep.errored:  # a failed user simulator says nothing about the policy: not scored
+                world.score(ep, task, reward_basis)  # the 0/1 task reward
+        played += n
+        for g in range(n):
             grp = episodes[g * group:(g + 1) * group]
             if not has_spread(grp):
                 zero += 1
@@ -156,9 +149,55 @@ def group_advantages(rewards, group, mean_only=False, std_floor=1e-4, valid=None
     return torch.where(hi > lo, adv, 0.0).view(-1)
 
 
+def ppo(policy, ref, opt, episodes, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip,
+        temperature, seed, ranks):
+    """PPO epochs over the step's episodes, in mini-batches, one update (optimizer step) each. An episode with
+    advantage 0 (every one of a zero-spread group) adds exactly zero gradient at beta 0, so it is not run; its
+    tokens still count in the mini-batch's token mean, as if it had run. Errored episodes are left out entirely.
+    -> the updates' mean stats."""
+    stats, order = collections.Counter(), list(range(len(episodes)))
+    for epoch in range(ppo_epochs):
+        random.Random(seed + epoch).shuffle(order)
+        for mb in range(mini_batches):
+            idx = [i for i in order[mb::mini_batches] if not episodes[i].errored]
+            # the loss is a mean over every policy token of the mini-batch, on every rank (token-level)
+            n_tokens = ranks.tokens(sum(sum(episodes[i].loss_mask) for i in idx))
+            work = sorted([i for i in idx if beta > 0 or advs[i] != 0], key=lambda i: len(episodes[i].ids))
+            chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]  # similar lengths: less pad
+            batches = [episode_batch([episodes[i] for i in c], advs[c], ranks.device) for c in chunks]
+            stats.update(update(policy, ref, opt, ranks.even(batches, lambda: dummy_batch(ranks.device)),
+                                n_tokens=n_tokens, clip=clip, beta=beta, grad_clip=grad_clip, temperature=temperature))
+    n = ppo_epochs * mini_batches
+    return {"loss": stats["loss"] / n, "clip_frac": stats["clip_frac"] / n, "kl": stats["kl"] / n,
+            "grad_norm": stats["grad_norm"] / n, "entropy": stats["entropy_sum"] / max(1.0, stats["entropy_n"])}
+
+
+def update(policy, ref, opt, batches, *, n_tokens, clip, beta, grad_clip, temperature):
+    """One optimizer step over a mini-batch: for each micro-batch of padded episodes, forward (the new log-probs,
+    and the reference's with beta > 0), the PPO-clip loss summed over its policy tokens and divided by n_tokens,
+    backward; then the gradient clipped and the step taken. -> sums for ppo's stats."""
+    stats = collections.Counter()
+    for ids, mask, attn, old, adv in batches:  # (B, T), (B, T-1), (B, T), (B, T-1), (B,)
+        with autocast(ids.device):
+            new, ent = forward_logprobs(policy, ids, attn, temperature)  # (B, T-1) each
+            ref_lp = None
+            if ref is not None:
+                with torch.no_grad():
+                    ref_lp, _ = forward_logprobs(ref, ids, attn, temperature)
+        loss_sum, st = policy_loss(new, old, adv, mask, clip, beta, ref_lp)
+        (loss_sum / n_tokens).backward()  # a token-level mean over the mini-batch, however it is split
+        stats.update(loss=float(loss_sum.detach()) / n_tokens, clip_frac=float(st["clipped"]) / n_tokens,
+                     kl=float(st.get("kl", 0.0)) / n_tokens, entropy_sum=float((ent.detach() * mask).sum()),
+                     entropy_n=float(mask.sum()))
+    stats["grad_norm"] = clip_grad(policy, grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return stats
+
+
 def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
     """Per-token PPO-clip loss (+ beta * k3 KL), SUMMED over masked tokens; the caller divides by the number of
-    policy tokens in the global batch. new_lp, old_lp, ref_lp, mask: (B, T); adv: (B,).
+    policy tokens of the mini-batch. new_lp, old_lp, ref_lp, mask: (B, T); adv: (B,).
     Returns (loss_sum, stats) with stats summed over masked tokens too."""
     ratio = torch.exp(new_lp - old_lp)
     a = adv[:, None]
@@ -171,47 +210,6 @@ def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
         per_tok = per_tok + beta * k3
         stats["kl"] = (k3 * mask).sum().detach()
     return (per_tok * mask).sum(), stats
-
-
-def update(model, ref, opt, episodes, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip,
-           temperature, seed, device, world):
-    """PPO epochs over the step's episodes, in mini-batches (one optimizer step each) of micro-batches.
-    With beta 0 an episode whose advantage is 0 (every episode of a zero-spread group) contributes exactly zero
-    gradient, so its forward/backward is skipped; it still counts in the token denominator, so the loss (and
-    the gradient) is the same as if it had run. Here that is half the episodes or more."""
-    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "grad_norm": 0.0}  # means over optimizer steps
-    ent_sum, ent_n = 0.0, 0.0  # entropy: a mean over the policy tokens that ran on this rank
-    order = list(range(len(episodes)))
-    n_updates = 0
-    for epoch in range(ppo_epochs):
-        random.Random(seed + epoch).shuffle(order)
-        for mb in range(mini_batches):
-            idx = order[mb::mini_batches]
-            # the loss is a mean over every policy token of the mini-batch, on every rank (token-level)
-            n_tokens = max(1.0, float(all_reduce_sum(torch.tensor(float(sum(sum(episodes[i].loss_mask)
-                                                                                for i in idx))))))
-            work = [i for i in idx if beta > 0 or advs[i] != 0]
-            for (ids, mask, attn, old, adv), weight in balanced_chunks(episodes, advs, work, micro_batch, device):
-                with autocast(device):
-                    new, ent = forward_logprobs(model, ids, attn, temperature)  # (B, T-1) each
-                    ref_lp = None
-                    if ref is not None:
-                        with torch.no_grad():
-                            ref_lp, _ = forward_logprobs(ref, ids, attn, temperature)
-                loss_sum, st = policy_loss(new, old, adv, mask, clip, beta, ref_lp)
-                # the normalisation: / n_tokens makes the global token mean; * world undoes DDP's and FSDP's
-                # averaging of the ranks' gradients; weight is 1, or 0 for a padding chunk (balanced_chunks)
-                (loss_sum * (weight / n_tokens * world)).backward()
-                stats["loss"] += weight * float(loss_sum.detach()) / n_tokens
-                stats["clip_frac"] += weight * float(st["clipped"]) / n_tokens
-                stats["kl"] += weight * float(st.get("kl", 0.0)) / n_tokens
-                ent_sum += weight * float((ent.detach() * mask).sum())
-                ent_n += weight * float(mask.sum())
-            stats["grad_norm"] += clip_grad(model, grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            n_updates += 1
-    return {**{k: v / n_updates for k, v in stats.items()}, "entropy": ent_sum / max(1.0, ent_n)}
 
 
 def forward_logprobs(model, ids, attn, temperature):
@@ -230,36 +228,12 @@ def episode_batch(episodes, advs, device):
     return ids, mask[:, 1:], attn, old[:, 1:], advs.to(device)
 
 
-# ----------------------------------------------------------------------------------------------------
-# machinery for several ranks: a first reading can skip it (alone, every rank has the same work: none of it acts)
-
-
-def balanced_chunks(episodes, advs, work, micro_batch, device):
-    """Micro-batches of the episodes `work` (indices), similar lengths together (less padding; the summed loss,
-    hence the gradient, is the same), then padding chunks up to the largest count on any rank: DDP all-reduces
-    gradients inside every backward and FSDP all-gathers weights in every forward, so every rank must run as
-    many (a rank may hold no episode at all: --drop-zero-spread, many --mini-batches). -> yields (batch, weight):
-    episode_batch's tensors with weight 1.0, or dummy_batch's with weight 0.0."""
-    work = sorted(work, key=lambda i: len(episodes[i].ids))
-    chunks = [work[k:k + micro_batch] for k in range(0, len(work), micro_batch)]
-    for k in range(int(all_reduce_max(torch.tensor(len(chunks))))):
-        if k < len(chunks):
-            yield episode_batch([episodes[i] for i in chunks[k]], advs[chunks[k]], device), 1.0
-        else:
-            yield dummy_batch(device), 0.0
-
-
 def dummy_batch(device):
-    """What a rank with less work forwards and backwards so that its collectives match the others': one
-    2-token sequence of token 0 with no policy token (its loss, times 0, adds nothing)."""
+    """What a rank with less work runs so that its collectives match the others' (Ranks.even): one 2-token
+    sequence with no policy token, so its loss is exactly 0."""
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
     zeros = torch.zeros((1, 1), device=device)
     return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
-
-
-def any_rank(flag):
-    """Whether `flag` (a bool or 0-dim tensor) holds on any rank (alone: on this one)."""
-    return float(all_reduce_sum(torch.tensor(float(flag)))) > 0
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -273,10 +247,10 @@ def main(argv=None):
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and train_tasks.jsonl")
     g.add_argument("--tasks", default=None, help="or any tau2 tasks.json / our JSONL (with --db)")
     g.add_argument("--db", default=None, help="the db.json the --tasks run on")
-    g.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"],
+    g.add_argument("--domain", default=None, choices=env.TAU2_DOMAINS,
                    help="a tau2-bench domain, run and scored by tau2's own code (needs requirements-tau2.txt)")
     g.add_argument("--split", default="train", help="with --domain: tau2's task split to train on")
-    g.add_argument("--policy", dest="policy_file", default=None,
+    g.add_argument("--policy-file", default=None,
                    help="domain policy for the agent's system prompt (default: policy.md beside --tasks, if there; "
                         "'none': the generated shop's short prompt)")
     g = p.add_argument_group("model")
@@ -342,32 +316,36 @@ def main(argv=None):
 
 def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
           group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread, task_sampling, user,
-          user_model, user_guidelines, max_errored_steps,
-          llm_concurrency, llm_deadline, lr, clip, beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip,
-          seed, save_every, resume, wandb, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha,
-          domain=None, split="train"):
+          user_model, user_guidelines, max_errored_steps, llm_concurrency, llm_deadline, lr, clip, beta, mean_only,
+          ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb, fsdp, cpu_offload,
+          activation_checkpointing, lora_rank, lora_alpha, domain=None, split="train"):
     """The GRPO loop. -> (policy, tokenizer)."""
-    # --- setup: the data, the policy (rollout.Scale: FSDP2, LoRA, the memory plan), the sampler, the users
+    # --- setup: the world and its tasks, the policy (rollout.Scale: FSDP2, LoRA, the memory plan), the sampler
     config = dict(locals())
     if temperature <= 0:
         raise ValueError(f"GRPO needs temperature > 0 (got {temperature}): log-probs divide the logits by it")
-    # the data first: a run with no tasks must stop before it touches the run folder
-    tasks_path = tasks or os.path.join(data_dir, "train_tasks.jsonl")
-    if domain:  # a tau2 domain: its split, worlds, tools, policy and evaluator (rollout.tau2_episode_kw)
-        tau2 = env.Tau2Domain(domain)
-        train_tasks, world_kw = tau2.tasks(split), tau2_episode_kw(tau2, reward_basis)
-        shop, tasks_path = world_kw.pop("db"), f"tau2 {domain} split {split}"
+    # the world first: a run with no tasks must stop before it touches the run folder
+    users = user_backend(user, user_model, concurrency=llm_concurrency, deadline=llm_deadline)
+    guidelines = env.load_guidelines(user_guidelines) if user_guidelines else None
+    if domain:  # a tau2 domain on tau2's code: its split, tools, policy, users and evaluator
+        world = env.Tau2(domain, user=users, guidelines=guidelines, max_turns=max_turns)
+        train_tasks, tasks_path = world.tasks(split), f"tau2 {domain} split {split}"
     else:
-        shop, world_kw = env.load_db(db or os.path.join(data_dir, "shop.json")), {}
+        tasks_path = tasks or os.path.join(data_dir, "train_tasks.jsonl")
+        world = env.Shop(env.load_db(db or os.path.join(data_dir, "shop.json")), user=users, max_turns=max_turns,
+                         policy=env.policy_text(policy_file, tasks),
+                         guidelines=guidelines or (env.load_guidelines(env.guidelines_beside(tasks))
+                                                   if env.guidelines_beside(tasks) else None))
         train_tasks = env.load_tasks(tasks_path)
     if not train_tasks:
         raise SystemExit(f"grpo.py: no tasks in {tasks_path}")
-    rank, world, device = setup_distributed()
+    rank, world_size, device = setup_distributed()
+    ranks = Ranks(rank, world_size, device)
     if backend == "vllm":
         require_vllm()
     scale = Scale.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-                          lora_rank=lora_rank, lora_alpha=lora_alpha, world=world, device=device)
-    if backend == "hf" and scale.fsdp and world > 1:  # each rank's sampling runs its own number of forwards
+                          lora_rank=lora_rank, lora_alpha=lora_alpha, world=world_size, device=device)
+    if backend == "hf" and scale.fsdp and world_size > 1:  # each rank's sampling runs its own number of forwards
         raise SystemExit("the transformers sampler cannot sample from a policy sharded over ranks (every FSDP "
                          "forward is a collective): use --backend vllm, or --fsdp off")
     scale.check_memory(model, beta=beta, vllm_fraction=vllm_gpu_memory if backend == "vllm" else 0.0,
@@ -401,20 +379,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
                             gpu_memory_utilization=vllm_gpu_memory)
     else:
         gen = HFGenerator(unwrap(policy), tok)
-    if domain:  # without --user: the gold replay of each task's user side
-        make_user = tau2_user_factory(tau2, user, user_model, user_guidelines, concurrency=llm_concurrency,
-                                      deadline=llm_deadline)
-    else:
-        make_user = make_user_factory(user, user_model, user_guidelines or env.guidelines_beside(tasks),
-                                      concurrency=llm_concurrency, deadline=llm_deadline)
-    # on tau2's tasks the agent gets tau2's domain policy, as in evaluation (evaluate.py) and in tau2 itself
-    episode_kw = dict(max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens,
-                      temperature=temperature, system_prompt=agent_system_prompt(policy_file, tasks))
-    # the 0/1 task reward, reward(ep, task): on the generated shop env.compute_reward through rollout.shop_reward
-    # (the database check; with --reward-basis task also the information the agent had to say); on a tau2 domain,
-    # tau2's own evaluator
-    reward = world_kw.pop("score") if domain else shop_reward(shop, check_communicate=reward_basis == "task")
-    episode_kw.update(world_kw)  # a tau2 domain's own policy, tools and calls
+    agent = TokenAgent(gen, tok, max_new_tokens=max_new_tokens, temperature=temperature, max_len=max_len)
     # --- the steps, each logged; checkpoints every --save-every steps
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     wb = _wandb(wandb, config) if rank == 0 else None
@@ -425,10 +390,10 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
                      beta=beta, grad_clip=grad_clip, temperature=temperature, seed=seed)
     for step in bar:
         weights = task_weights(train_tasks, keys, tally) if task_sampling == "spread" else None
-        rec = grpo_step(policy, ref, opt, gen, tok, train_tasks, shop, make_user, step=step, rank=rank, world=world,
-                        device=device, seed=seed, batch_tasks=batch_tasks, group=group, weights=weights, keys=keys,
-                        drop_zero_spread=drop_zero_spread, mean_only=mean_only, episode_kw=episode_kw,
-                        update_kw=update_kw, reward=reward)
+        rec = grpo_step(policy, ref, opt, agent, world, train_tasks, step=step, seed=seed, batch_tasks=batch_tasks,
+                        group=group, reward_basis=reward_basis, mean_only=mean_only,
+                        drop_zero_spread=drop_zero_spread, update_kw=update_kw, ranks=ranks, weights=weights,
+                        keys=keys)
         tally += torch.tensor(rec.pop("tally"), dtype=torch.float64).view(-1, 2)
         errored.update(rec.get("errored_reasons", {}))
         if rank == 0:
@@ -451,7 +416,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         if errored:  # their rewards were left out of every mean and every advantage; say how many and why
             print(f"grpo.py: {sum(errored.values())} episodes errored (not scored): "
                   + "; ".join(f"{n}x {reason}" for reason, n in errored.most_common()), flush=True)
-    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
+    if world_size > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return unwrap(policy), tok
@@ -461,7 +426,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
 # task sampling (--task-sampling spread): a running success rate per task kind
 
 
-def tally_rewards(episodes, tasks, keys):
+def tally_rewards(episodes, tasks, keys, ranks):
     """-> (len(keys), 2) float64: the (successes, scored rollouts) of the step's episodes per task key, summed
     over ranks. Errored episodes, and any whose task is not in `tasks`, are left out."""
     tally = torch.zeros(len(keys), 2, dtype=torch.float64)
@@ -469,7 +434,7 @@ def tally_rewards(episodes, tasks, keys):
     for e in episodes:
         if not e.errored and e.task_id in key_of:
             tally[keys.index(key_of[e.task_id])] += torch.tensor([e.reward, 1.0], dtype=torch.float64)
-    return all_reduce_sum(tally)
+    return ranks.sum(tally)
 
 
 def task_key(task):
@@ -490,26 +455,23 @@ def task_weights(tasks, keys, tally, floor=0.02):
 # logging
 
 
-def step_metrics(step, episodes, zero, played, stats, rollout_s, update_s, dropped=()):
-    """One JSONL line; episode sums are all-reduced so every rank logs the global numbers. `episodes`: the kept
-    episodes; `dropped`: those of groups collect() dropped, counted in "episodes" and "errored" only."""
+def step_metrics(step, episodes, zero, played, stats, rollout_s, update_s, ranks, dropped=()):
+    """One JSONL line; episode sums are summed over ranks so every rank logs the global numbers. `episodes`: the
+    kept episodes; `dropped`: those of groups collect() dropped, counted in "episodes" and "errored" only."""
     ok = [e for e in episodes if not e.errored]
-    t = all_reduce_sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(episodes) - len(ok), zero, played,
-                                     sum(e.turns for e in episodes), sum(e.tool_calls for e in episodes),
-                                     sum(e.tool_errors for e in episodes), sum(sum(e.loss_mask) for e in episodes),
-                                     len(dropped), sum(e.errored for e in dropped)], dtype=torch.float64)).tolist()
+    t = ranks.sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(episodes) - len(ok), zero, played,
+                                sum(e.turns for e in episodes), sum(e.tool_calls for e in episodes),
+                                sum(e.tool_errors for e in episodes), sum(sum(e.loss_mask) for e in episodes),
+                                len(dropped), sum(e.errored for e in dropped)], dtype=torch.float64)).tolist()
     n = max(1.0, t[1] + t[2])
     why = errored_reasons(list(episodes) + list(dropped))
     # reward_mean is None (null) when every episode errored: 0.0 would read as a policy that solved nothing
     return {"step": step + 1, "reward_mean": t[0] / t[1] if t[1] else None, "errored": int(t[2] + t[10]),
-            "episodes": int(t[1] + t[2] + t[9]),
-            **({"errored_reasons": dict(why)} if why else {}),
+            "episodes": int(t[1] + t[2] + t[9]), **({"errored_reasons": dict(why)} if why else {}),
             "zero_spread_frac": t[3] / max(1.0, t[4]),
             "turns": t[5] / n, "tool_calls": t[6] / n, "tool_errors": t[7] / n, "tokens_generated": int(t[8]),
             **{k: round(v, 6) for k, v in stats.items()}, "rollout_s": round(rollout_s, 2),
             "update_s": round(update_s, 2)}
-
-
 def plot_metrics(jsonl, png):
     """Reward and zero-spread fraction over steps (needs matplotlib, an optional dependency)."""
     try:

@@ -1,51 +1,33 @@
 """
-rollout.py: the policy's I/O. Everything between a model and the world: loading a model and its chat template,
-turning conversations into tokens and loss masks, sampling, log-probs, the multi-turn loop with the simulated
-user and the tools, and the chat backends every other LLM role (user, teacher, tool simulator) talks through.
+rollout.py: everything between a model and a world. Conversations become tokens and loss masks here, and only
+here; run_episodes plays any env.World with an agent and the world's users; log-probs feed SFT's loss and GRPO's
+ratio. SFT (sft.py) encodes its data with `encode_conversation`, GRPO (grpo.py) and evaluation (evaluate.py) make
+theirs with `run_episodes`, and both go through `render` and `template_diff`, so the two stages' masks agree.
 
-    from rollout import HFGenerator, load_model, make_user_factory, run_episodes
-    model, tok = load_model("out/sft")
-    eps = run_episodes(HFGenerator(model, tok), tok, tasks, db, make_user_factory(), temperature=1.0)
+    import env, rollout
+    model, tok = rollout.load_model("out/sft")
+    agent = rollout.TokenAgent(rollout.HFGenerator(model, tok), tok, temperature=1.0)
+    eps = rollout.run_episodes(agent, env.Shop(env.load_db("data/shop.json")), tasks, seed=0)
 
-This file is the one place where conversations become tokens. SFT (sft.py) encodes its data with
-`encode_conversation`, GRPO (grpo.py) and evaluation (evaluate.py) produce theirs with `run_episodes`;
-both go through `render` and `template_diff`, so the training masks of the two stages agree.
+Token-in, token-out. An episode's `ids` are exactly what the policy sampled plus what the chat template adds for
+every other turn (system, user, tool). The conversation is never decoded and re-tokenized: after each agent turn
+the next tool or user message is appended as the *text the template adds for it*, tokenized on its own.
+`loss_mask` is 1 exactly on sampled positions, the end-of-turn token included, built from positions, never from
+token values (pad may equal eos).
 
-Token-in, token-out. An episode's `ids` are exactly what the policy sampled plus what the chat template
-adds for every other turn (system, user, tool). We never decode and re-tokenize the conversation:
-after each agent turn the next tool or user message is appended as the *text the template adds for it*,
-tokenized on its own. `loss_mask` is 1 exactly on sampled positions, the end-of-turn token included,
-and it is built from positions, never by looking at token values (pad may equal eos).
+Templates that rewrite history. Qwen3's template renders an empty `<think>\n\n</think>\n\n` on the last assistant
+turn only and drops the reasoning of turns before the last user query, so a conversation's text is not a prefix of
+its own extension. So the history is never re-rendered: new messages are rendered after a fixed stand-in exchange
+(`template_diff`), and an assistant turn's text is the template's rendering of that message as the newest turn
+(`agent_text`: what a thinking model samples, think block included). The episode keeps every token the policy
+sampled, earlier reasoning included: the context the policy saw and its log-probs were computed in. The price: the
+same conversation rendered fresh by the template at inference (a chat API applying Qwen3's template) shows earlier
+turns without their reasoning, a context the policy was trained on only for its latest turn.
 
-Templates that rewrite history. Qwen3's template renders an empty `<think>\n\n</think>\n\n` on the last
-assistant turn only and drops the reasoning of turns before the last user query, so a conversation's text is
-not a prefix of its own extension. We therefore never re-render the history: the text for new messages comes
-from rendering them after a fixed stand-in exchange (`template_diff`), and an assistant turn's text is the
-template's rendering of that message as the newest turn (`agent_text`: what a thinking model samples, think
-block included). The episode keeps every token the policy sampled, earlier reasoning included, which is the
-context the policy actually saw and the one its log-probs were computed in. The price: the same conversation
-rendered fresh by the template at inference (e.g. by a chat API that applies Qwen3's template) shows earlier
-turns without their reasoning, a context the policy was trained on only for its latest turn. SFT data goes
-through the same two functions, so a conversation encoded for SFT has exactly the ids of a rollout that
-sampled the same text.
-
-Tool calls use the Hermes / Qwen2.5 / Qwen3 format: <tool_call>{"name": ..., "arguments": {...}}</tool_call>.
-Every call in one assistant message is executed, in order, each answered by its own tool message
-(Qwen's templates render several calls per turn and group their responses). A malformed call (bad JSON,
-no name, unknown tool, wrong arguments) is answered with an error message and the episode goes on.
-
-Sections, in file order (what a first reading needs is marked *):
-  models and checkpoints          load_model, save_checkpoint (atomic; `latest` names the last complete one)
-* chat rendering                  render, template_diff, agent_text, encode_conversation: messages -> tokens, masks
-* parsing                         parse_assistant: the agent's text -> a message with tool calls
-  log-probs                       logprobs_chunked: SFT's loss and GRPO's ratio
-  generation backends             HFGenerator (transformers, KV cache), VLLMGenerator: ids in, ids + log-probs out
-* episodes                        Episode, run_episodes (the multi-turn loop), shop_reward (the reward it calls)
-  chat backends                   the other LLM roles (user, teacher, tool simulator, judge): local model or
-                                  OpenAI-compatible endpoint; make_user_factory; tau2's users and scorer; SmolLM2
-  distributed runs and logging    torchrun's ranks, all-reduces, metrics files
-  scaling to GPUs                 Scale: FSDP2 or DDP, LoRA, activation checkpointing, gathering whole weights
-  the memory plan                 bytes per GPU from a model's shapes and the run's flags (print_memory_plan)
+Sections: chat rendering -> episodes (Episode, run_episodes) -> agents (TokenAgent, TextAgents) -> log-probs; then,
+after the fence, machinery a first reading skips: models and checkpoints, the samplers (transformers with a KV cache
+kept across turns, vLLM), chat backends for the other LLM roles (user, teacher, tool simulator, judge), several
+ranks, FSDP2 and LoRA, and the memory plan.
 """
 import asyncio
 import collections
@@ -69,27 +51,466 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import env
 
-SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every turn
-    "You are a retail customer service agent. First verify the user by email, or by name and zip code. "
-    "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
-)
+
+# ----------------------------------------------------------------------------------------------------
+# chat rendering: the only code that turns messages into text
 
 
-def agent_system_prompt(policy=None, tasks=None, text=None):
-    """The agent's system prompt. With a domain policy file (`policy`, else tau2's policy.md beside the `tasks`
-    file) or a policy's `text` (a tau2 domain's own) the policy is read into it, as tau2's agent gets it (the
-    wording around it is ours); with none, or with policy "none", it is SYSTEM_PROMPT, the generated shop's."""
-    policy = None if policy == "none" else policy or (None if text else env.policy_beside(tasks))
-    if policy is None and not text:
-        return SYSTEM_PROMPT
-    if policy is not None and not Path(policy).is_file():
-        raise FileNotFoundError(f"policy file {policy} not found")
-    return ("You are a customer service agent. Help the user according to the policy below: use the tools to look "
-            "things up and to make changes, and in each turn either write to the user or call tools.\n\n"
-            f"<policy>\n{(Path(policy).read_text() if policy else text).strip()}\n</policy>")
+def render(tok, messages, tools=None, add_generation_prompt=False):
+    """The chat template's text for `messages` (and the tool schemas, which templates put in the system turn).
+    `tok.template_kwargs` (set_thinking: {"enable_thinking": False} for Qwen3) reach the template."""
+    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                   **(getattr(tok, "template_kwargs", None) or {}))
+
+
+def end_of_turn(tok):
+    """The token that ends an assistant turn: generation stops on it and it is trained on."""
+    return tok.eos_token
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+# A stand-in exchange that new messages are rendered after (the module docstring): a user turn, then an assistant
+# turn whose text no template rewrites. Nothing of it is ever tokenized.
+STAND_IN = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "MUA-RL stand-in turn."}]
+
+
+def template_diff(tok, new_messages, tools=None):
+    """Text the template adds after an agent turn's end-of-turn token when `new_messages` (tool results, a user
+    turn) follow it, up to and including the next generation prompt. What a template adds for the new messages
+    depends only on them and on following an assistant turn, which STAND_IN provides."""
+    text = render(tok, STAND_IN + new_messages, tools, add_generation_prompt=True)
+    eot = end_of_turn(tok)
+    at = text.find(STAND_IN[-1]["content"])
+    end = text.find(eot, at) if at >= 0 else -1
+    first = new_messages[0].get("content") or ""  # the assistant turn must end before the next message starts
+    if end < 0 or (first and 0 <= text.find(first, at) < end):
+        raise ValueError(f"chat template of {tok.name_or_path or type(tok).__name__}: cannot find the end of an "
+                         f"assistant turn ({eot!r}) before a {new_messages[0]['role']!r} message, so the tokens "
+                         "between agent turns cannot be told apart from the agent's")
+    return text[end + len(eot):]
+
+
+def agent_text(tok, message, tools=None):
+    """What the policy samples for an assistant `message`: the template's text for it as the newest turn, after
+    the generation prompt, through its end-of-turn token (for Qwen3: the think block, the reply, the tool calls)."""
+    prompt = render(tok, STAND_IN[:1], tools, add_generation_prompt=True)
+    full = render(tok, STAND_IN[:1] + [message], tools)
+    eot = end_of_turn(tok)
+    if not full.startswith(prompt) or eot not in full[len(prompt):]:
+        raise ValueError(f"chat template of {tok.name_or_path or type(tok).__name__}: an 'assistant' message does "
+                         f"not render as the generation prompt followed by the reply and {eot!r}")
+    text = full[len(prompt):]
+    return text[:text.rindex(eot) + len(eot)]
+
+
+def agent_view(messages):
+    """The conversation as the agent sees it. The user's own tool calls and their results (dual control: marked
+    "side": "user") stay in the transcript for the evaluator, which replays them, but never reach the agent's
+    context, tokens or loss mask."""
+    return [m for m in messages if m.get("side") != "user"]
+
+
+def encode_conversation(tok, messages, tools=None):
+    """ids and loss mask of a finished conversation, built exactly as a rollout that sampled its assistant turns
+    would have built them: assistant turns (reasoning, content, tool calls, end-of-turn) get mask 1, the rest 0."""
+    messages = agent_view(messages)
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("a conversation to train on needs at least one assistant message")
+    ids = encode(tok, render(tok, messages[:first], tools, add_generation_prompt=True))
+    mask = [0] * len(ids)
+    i = first
+    while i < len(messages):
+        agent_ids = encode(tok, agent_text(tok, messages[i], tools))
+        ids += agent_ids
+        mask += [1] * len(agent_ids)
+        j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
+        if j < len(messages):  # the turns between two agent turns, as the rollout appends them
+            diff_ids = encode(tok, template_diff(tok, messages[i + 1:j], tools))
+            ids += diff_ids
+            mask += [0] * len(diff_ids)
+        i = j
+    return ids, mask
 
 
 # ----------------------------------------------------------------------------------------------------
+# episodes: the multi-turn loop of the world contract (env.World)
+
+
+@dataclass
+class Episode:
+    task_id: str
+    messages: list = field(default_factory=list)   # OpenAI-style transcript, the world's opening first
+    ids: list = field(default_factory=list)        # every token of the conversation, as the policy saw it
+    loss_mask: list = field(default_factory=list)  # 1 exactly where the policy sampled the token
+    logprobs: list = field(default_factory=list)   # sampling log-prob where mask==1, else 0.0
+    reward: float = 0.0                 # set by world.score; errored episodes are never scored
+    reward_info: dict = field(default_factory=dict)
+    turns: int = 0                      # agent turns (generations)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    user_tool_calls: int = 0            # the user's own calls (dual control), run on the user's side of the world
+    # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error | agent_error | agent_stop
+    end_reason: str = ""
+    errored: bool = False               # the user's or an endpoint agent's model failed: never scored, never 0
+    error: str = ""                     # why it errored, when known
+    kind: str = ""
+    state: object = None                # this episode's world state (world.reset), final at the end
+
+    def to_json(self):
+        return {k: v for k, v in self.__dict__.items() if k != "state"}
+
+
+def run_episodes(agent, world, tasks, *, seed=0):
+    """Play one episode per task (repeat a task for a GRPO group) until the world or the user ends each. Every
+    step, all live episodes get one agent turn together; each turn's tool calls run on the episode's own state,
+    and its text goes to the episode's user, whose reply comes back. Episodes come back unscored (world.score)."""
+    eps = [Episode(task_id=str(t["id"]), kind=t.get("kind", ""), state=world.reset(t)) for t in tasks]
+    users = [world.user(t, ep.state, seed * 100003 + i) for i, (t, ep) in enumerate(zip(tasks, eps))]
+    for ep, t in zip(eps, tasks):
+        ep.messages = world.opening(t, ep.state)
+    talk = [i for i, u in enumerate(users) if u is not None]
+    firsts = user_side(world, eps, users, talk, env.start_all([users[i] for i in talk]))  # may use its tools first
+    for i, first in zip(talk, firsts):
+        eps[i].messages.append({"role": "user", "content": first})
+    check_users(eps, users, talk)  # a user that failed at its first message errored its episode
+    agent.begin(eps, tasks, [world.schemas(ep.state) for ep in eps], seed)  # its prompts
+    for turn in range(10**9):
+        live = [i for i, ep in enumerate(eps) if not ep.end_reason]
+        if not live:
+            break
+        outs = agent.act([eps[i] for i in live], [world.schemas(eps[i].state) for i in live], seed * 7919 + turn)
+        to_tools, to_user = [], []
+        for i, (text, complete) in zip(live, outs):
+            ep = eps[i]
+            if text is None:  # the agent's endpoint failed (agent.act ended the episode): not the policy's doing
+                continue
+            ep.turns += 1
+            ep.messages.append(world.parse(text))
+            if not complete:  # ran out of new tokens mid-turn
+                ep.end_reason = "max_tokens"
+            elif ep.messages[-1].get("tool_calls"):
+                to_tools.append(i)
+            elif users[i] is None:  # no user to answer: the agent's words end the episode
+                ep.end_reason = "agent_stop"
+            else:
+                to_user.append(i)
+        # every call of this step at once, each on its own episode's state
+        for i, results in zip(to_tools, execute_calls(world, [(eps[i].state, eps[i].messages[-1]) for i in to_tools])):
+            ep = eps[i]
+            ep.tool_calls += len(results)
+            ep.tool_errors += sum(is_error for _, _, is_error in results)
+            extend(agent, world, ep, world.tool_messages(results))
+        # every text to its user at once (LLM users sharing a backend: one batched request)
+        replies = env.respond_all([users[i] for i in to_user], [eps[i].messages[-1]["content"] for i in to_user])
+        for i, reply in zip(to_user, user_side(world, eps, users, to_user, replies)):
+            if users[i].done:  # the user's last words end the episode; no more tokens are needed
+                eps[i].messages.append({"role": "user", "content": reply})
+            else:
+                extend(agent, world, eps[i], [{"role": "user", "content": reply}])
+        check_users(eps, users, to_user)
+        for i in live:
+            eps[i].end_reason = eps[i].end_reason or world.end(eps[i]) or ""
+    return eps
+
+
+def extend(agent, world, ep, messages):
+    """Add tool results or a user turn to the transcript, and their tokens to the agent's context."""
+    ep.messages += messages
+    agent.extend(ep, messages, world.schemas(ep.state))
+
+
+def execute_calls(world, items, side="agent"):
+    """Every call of several assistant messages, items = [(state, message)], on each one's own state, in one batch
+    (world.call_all: a tool simulator answers them together). A call the parser could not read is answered by its
+    error. -> per item, [(name, content, is_error)] in call order. Never raises."""
+    requests = [(state, c["function"]["name"], c["function"]["arguments"], side)
+                for state, msg in items for c in msg.get("tool_calls", []) if "error" not in c]
+    answers = iter(world.call_all(requests))
+    return [[(c["function"]["name"], *((c["error"], True) if "error" in c else next(answers)))
+             for c in msg.get("tool_calls", [])] for _, msg in items]
+
+
+def user_side(world, eps, users, idx, replies):
+    """Dual control: a user's reply may call the user's own tools (tau2 telecom: the phone). They run on the
+    episode's state on the user's side; the call and its results join the transcript marked "side": "user" (the
+    evaluator replays them; agent_view keeps them from the agent) and go back to the user, who speaks again. A user
+    still calling tools after the world's max_turns rounds ends its episode. -> the users' replies."""
+    replies = dict(zip(idx, replies))
+    for round_ in range(world.max_turns + 1):
+        calling = [(i, msg) for i in idx if not users[i].done
+                   for msg in [env.parse_assistant(replies[i])] if msg.get("tool_calls")]
+        if not calling:
+            break
+        idx = [i for i, _ in calling]
+        if round_ == world.max_turns:  # still calling: the step limit ends the episode
+            for i, msg in calling:
+                eps[i].end_reason, replies[i] = eps[i].end_reason or "max_turns", msg["content"]
+            break
+        results = []
+        for (i, msg), done in zip(calling, execute_calls(world, [(eps[i].state, m) for i, m in calling], "user")):
+            out = [{**m, "side": "user"} for m in world.tool_messages(done)]
+            results.append(out)
+            eps[i].user_tool_calls += len(out)
+            eps[i].messages += [{"role": "user", "side": "user", "content": msg["content"],
+                                 "tool_calls": msg["tool_calls"]}] + out
+        for (i, _), reply in zip(calling, env.tool_results_all([users[i] for i in idx], [m for _, m in calling],
+                                                                results)):
+            replies[i] = reply
+    return [replies[i] for i in replies]
+
+
+def check_users(eps, users, idx):
+    """A user that is done ends its episode with its own reason; one whose model failed errors it."""
+    for i in idx:
+        if users[i].done and not eps[i].end_reason:
+            eps[i].end_reason = users[i].end_reason
+            eps[i].errored = users[i].error is not None
+            eps[i].error = str(users[i].error or "")
+
+
+# ----------------------------------------------------------------------------------------------------
+# agents: what run_episodes asks for each turn. begin(eps, tasks, tools, seed) once, act(eps, tools, seed) ->
+# [(text, complete)] for the live episodes (text None: its endpoint failed), extend(ep, messages, tools) after
+# tool results or a user turn join the transcript.
+
+
+class TokenAgent:
+    """The policy, token-in, token-out: a sampler (HFGenerator, VLLMGenerator: prompt ids in, sampled ids and their
+    log-probs out), its tokenizer, and the sampling settings. Episodes get their ids, loss mask and log-probs here.
+    max_len: tokens an episode may hold; a turn that would pass it ends the episode as "max_tokens"."""
+
+    def __init__(self, gen, tok, *, max_new_tokens=256, temperature=1.0, top_p=1.0, max_len=4096):
+        self.gen, self.tok, self.eot = gen, tok, end_of_turn(tok)
+        self.max_new_tokens, self.temperature, self.top_p, self.max_len = max_new_tokens, temperature, top_p, max_len
+
+    def begin(self, eps, tasks, tools, seed):
+        if hasattr(self.gen, "kv"):
+            self.gen.kv = {}  # caches from an earlier call may come from older weights
+        for ep, ts in zip(eps, tools):
+            _append(ep, encode(self.tok, render(self.tok, agent_view(ep.messages), ts, add_generation_prompt=True)), 0)
+            if not ep.end_reason and len(ep.ids) >= self.max_len:  # the prompt alone fills it (a long policy)
+                ep.end_reason = "max_tokens"
+
+    def act(self, eps, tools, seed):
+        outs = self.gen.generate([ep.ids for ep in eps], self.max_new_tokens, self.temperature, self.top_p,
+                                 seed=seed, cache_keys=[id(ep) for ep in eps])
+        texts = []
+        for ep, (new_ids, lps) in zip(eps, outs):
+            _append(ep, new_ids, 1, lps)  # the sampled tokens, end-of-turn included: the only mask-1 positions
+            text = self.tok.decode(new_ids, skip_special_tokens=False)
+            complete = text.endswith(self.eot)
+            texts.append((text[:len(text) - len(self.eot)] if complete else text, complete))
+        return texts
+
+    def extend(self, ep, messages, tools):
+        """Append the tokens the template adds for `messages` after the agent's last turn."""
+        diff = encode(self.tok, template_diff(self.tok, messages, tools))
+        if len(ep.ids) + len(diff) >= self.max_len:
+            ep.end_reason = ep.end_reason or "max_tokens"
+        else:
+            _append(ep, diff, 0)
+
+
+def _append(ep, ids, mask_value, logprobs=None):
+    ep.ids += ids
+    ep.loss_mask += [mask_value] * len(ids)
+    ep.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+
+class TextAgents:
+    """Agents that write text, one per episode from make_agent(task, seed), an object whose act(messages) returns
+    the agent's next text (synth.py's oracle, env.GoldAgent) or a ChatAgent (a teacher LLM behind an endpoint).
+    Episodes get no token ids. ChatAgents sharing a backend are asked in one batched request."""
+
+    def __init__(self, make_agent):
+        self.make_agent = make_agent
+
+    def begin(self, eps, tasks, tools, seed):
+        self.agents = {id(ep): self.make_agent(t, seed * 100003 + i) for i, (ep, t) in enumerate(zip(eps, tasks))}
+
+    def act(self, eps, tools, seed):
+        agents = [self.agents[id(ep)] for ep in eps]
+        texts = act_all(agents, [ep.messages for ep in eps], tools)
+        for ep, a in zip(eps, agents):
+            if getattr(a, "error", None):  # its endpoint failed for good: the episode says nothing of the agent
+                ep.errored, ep.error, ep.end_reason = True, str(a.error), "agent_error"
+        return [(None, False) if ep.errored else (text, True) for ep, text in zip(eps, texts)]
+
+    def extend(self, ep, messages, tools):
+        pass
+
+
+def act_all(agents, histories, tools):
+    """The next turn of each text agent, as agent_view shows it its conversation. ChatAgents that share a backend
+    and settings are asked in one batched chat() call, so an endpoint gets every live episode's request at once;
+    any other agent acts in turn."""
+    histories = [agent_view(h) for h in histories]
+    out, groups = [None] * len(agents), {}
+    for i, a in enumerate(agents):
+        if not isinstance(a, ChatAgent):
+            out[i] = a.act(histories[i])
+        elif a.out_of_time() or a.error:  # its endpoint failed for good
+            out[i] = ""
+        else:
+            groups.setdefault((id(a.backend), a.max_new_tokens, a.temperature), []).append(i)
+    for idx in groups.values():
+        first, t0 = agents[idx[0]], time.monotonic()
+        seeds = [agents[i].turn_seed(histories[i]) for i in idx]
+        replies = first.backend.chat([histories[i] for i in idx], first.max_new_tokens, first.temperature, seeds,
+                                     [tools[i] for i in idx])
+        for i, reply in zip(idx, replies):
+            agents[i].waited += time.monotonic() - t0
+            out[i] = agents[i].take(reply)
+    return out
+
+
+class ChatAgent:
+    """An LLM behind a chat backend plays the agent: it sees the conversation and the tool schemas, and its tool
+    calls come back as Hermes <tool_call> text. A backend that fails for good (after its own retries) is kept in
+    `error`, so one bad conversation cannot stop a whole evaluation. `deadline`: seconds it may spend waiting on
+    its backend over the whole episode (None: no limit)."""
+
+    def __init__(self, backend, max_new_tokens=1024, temperature=0.0, seed=0, deadline=None):
+        self.backend, self.max_new_tokens, self.temperature, self.seed = backend, max_new_tokens, temperature, seed
+        self.deadline, self.waited, self.error = deadline, 0.0, None
+
+    def act(self, messages, tools=None):
+        """Its next text for one conversation (act_all batches many)."""
+        return act_all([self], [messages], [tools])[0]
+
+    def out_of_time(self):
+        if self.deadline is not None and self.waited >= self.deadline and not self.error:
+            self.error = f"agent endpoint out of time: waited {self.waited:.0f} s, deadline {self.deadline:g} s"
+        return self.error is not None
+
+    def turn_seed(self, messages):
+        return (self.seed + len(messages)) % 2**31  # a new one each turn, as the LLM user's; fits any API
+
+    def take(self, reply):
+        if isinstance(reply, Exception):
+            self.error = str(reply)
+            return ""
+        return reply
+
+
+# ----------------------------------------------------------------------------------------------------
+# log-probs of a batch of token sequences: what SFT's loss and GRPO's ratio are made of
+
+
+def pad_batch(seqs, pad_id, device):
+    """Right-pad lists of (ids, mask) -> ids (B, T), loss mask (B, T), attention mask (B, T)."""
+    T = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    lmask = torch.zeros((len(seqs), T), dtype=torch.float)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, (i, m) in enumerate(seqs):
+        ids[b, :len(i)], lmask[b, :len(m)], attn[b, :len(i)] = torch.tensor(i), torch.tensor(m, dtype=torch.float), 1
+    return ids.to(device), lmask.to(device), attn.to(device)
+
+
+LOGPROB_CHUNK = 2048  # token rows whose fp32 (rows, vocab) logits exist at once: 2048 x 151936 x 4 B = 1.2 GB
+
+
+def token_logprobs(model, ids, attn, temperature=1.0, chunk=None):
+    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature.
+    With `chunk`, that many rows of logits at a time (logprobs_chunked, what training uses); without, the whole
+    (B, T, V) logits through the model's own output layer (its forward hooks included)."""
+    if chunk:
+        return logprobs_chunked(model, ids, attn, temperature, chunk)[0]
+    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
+
+
+def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, with_entropy=False):
+    """What logprobs_from_logits computes, without the (B, T, V) logits: for the length of this forward the
+    model's output layer is swapped for one that turns the final hidden states into the log-probs of the next
+    tokens directly, `chunk` rows at a time, each under activation checkpointing (its logits are recomputed in the
+    backward, not kept). At Qwen3's vocabulary (151,936) and 16k tokens the whole fp32 logits are 10 GB; a chunk is
+    1.2 GB. The swap happens inside the model's own forward, so DDP's and FSDP's hooks see an ordinary forward; an
+    output layer with hooks of its own is run whole instead.
+    -> (log-probs (B, T-1), entropy (B, T-1) or None, greedy (B, T-1) bool: the next token is the argmax)."""
+    head = unwrap(model).get_output_embeddings()  # the lm_head Linear (tied or not), also under peft
+    if head._forward_hooks or head._forward_pre_hooks:  # swapping the head would bypass them: the whole logits
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        lp, ent = logprobs_from_logits(logits, ids, temperature, with_entropy)
+        return lp, ent, logits[:, :-1].argmax(-1) == ids[:, 1:]
+    targets = ids[:, 1:]
+
+    def to_logprobs(hidden):  # hidden (B, T, H) -> (B * (T-1), 3): log-prob, entropy, greedy hit
+        h, tgt = hidden[:, :-1].reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        rows = []
+        for i in range(0, h.shape[0], chunk):
+            args = (h[i:i + chunk], head.weight, head.bias, tgt[i:i + chunk], temperature, with_entropy)
+            rows.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+                        if torch.is_grad_enabled() else _chunk_logprobs(*args))
+        return torch.cat(rows)  # not a view: FSDP's backward hook on a module's output must not see a view
+
+    head.forward = to_logprobs  # an instance attribute: shadows the class's forward until deleted
+    try:
+        out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.view(*targets.shape, 3)
+    finally:
+        del head.forward
+    return out[..., 0], out[..., 1] if with_entropy else None, out[..., 2].bool()
+
+
+def _chunk_logprobs(h, weight, bias, tgt, temperature, with_entropy):
+    """h (n, H), tgt (n,) -> (n, 3): log p(tgt), the entropy (0 unless asked), 1 where tgt is the argmax."""
+    logp = torch.log_softmax(torch.nn.functional.linear(h, weight, bias).float() / temperature, -1)  # (n, V)
+    lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(lp)
+    return torch.stack([lp, ent, (logp.argmax(-1) == tgt).float()], -1)
+
+
+def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
+    """logits (B, T, V) -> (log p(ids[:, t+1]) at each position t < T-1, entropy there or None). Logits are
+    divided by the sampling temperature so that GRPO's ratios use the distribution the rollout sampled from."""
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
+
+
+def autocast(device):
+    """bf16 autocast on a GPU that has bf16; a no-op elsewhere (the CPU trains in fp32)."""
+    on_gpu = str(device).startswith("cuda") and torch.cuda.is_bf16_supported()
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
+
+
+# why episodes errored, for the stages' summaries and their one-line stop messages
+
+def short_reason(text):
+    """An error message as a summary's key: numbers blanked (so that "after 3 attempt(s)" or a port number does
+    not split one cause into many), at most 160 characters."""
+    return re.sub(r"(?<![A-Za-z])\d+", "N", str(text))[:160]
+
+
+def errored_reasons(eps):
+    """Counter of why episodes errored: each one's error message (short_reason), or its end reason."""
+    return collections.Counter(short_reason(e.error) if e.error else (e.end_reason or "unknown")
+                               for e in eps if e.errored)
+
+
+def all_errored(eps):
+    """'' unless every one of eps errored; then one line: how many, and why the first did."""
+    n = sum(e.errored for e in eps)
+    first = next((short_reason(e.error or e.end_reason) for e in eps if e.errored), "")
+    return f"every episode errored ({n} of {len(eps)}), the first because {first}" if eps and n == len(eps) else ""
+
+
+def errored_summary(eps):
+    """'' when no episode errored, else one line: how many and why, most common reason first."""
+    why = errored_reasons(eps)
+    return (f"{sum(why.values())} of {len(eps)} episodes errored (not scored): " +
+            "; ".join(f"{n}x {reason}" for reason, n in why.most_common())) if why else ""
+
+
+# ====================================================================================================
+# Machinery: a first reading stops here. Models and checkpoints, the samplers, the chat backends of the other
+# LLM roles, several ranks, FSDP2 and LoRA, and the memory plan. Alone on one device none of it changes a number.
+# ====================================================================================================
+
 # models and checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
 
 # the CPU demo's base model: a ~1M-parameter Qwen3 pretrained once by `sft.py --pretrain` and committed (5 MB)
@@ -263,7 +684,7 @@ def unwrap(model):
 
 def chatml_template(signatures=False):
     """A ChatML chat template whose tool calls are Hermes <tool_call>{"name", "arguments"}</tool_call> text, the
-    format rollout.parse_assistant reads. Tools go in the system turn as one line: names only for the tiny model
+    format env.parse_assistant reads. Tools go in the system turn as one line: names only for the tiny model
     (it learns the arguments from the data, and a short context holds a whole conversation), or signatures
     name(arg, ...) with a line on the call format, for a pretrained chat model whose own template cannot show
     tools (full JSON schemas would cost ~2.5k tokens a conversation)."""
@@ -297,257 +718,8 @@ def chatml_template(signatures=False):
 
 
 
-# ----------------------------------------------------------------------------------------------------
-# chat rendering: the only code that turns messages into text
 
-
-def render(tok, messages, tools=None, add_generation_prompt=False):
-    """The chat template's text for `messages` (and the tool schemas, which templates put in the system turn).
-    `tok.template_kwargs` (set by load_model, e.g. {"enable_thinking": False} for Qwen3) reach the template."""
-    return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                   **(getattr(tok, "template_kwargs", None) or {}))
-
-
-def end_of_turn(tok):
-    """The token that ends an assistant turn: generation stops on it and it is trained on."""
-    return tok.eos_token
-
-
-def encode(tok, text):
-    return tok.encode(text, add_special_tokens=False)
-
-
-# A stand-in exchange that the new messages are rendered after (see the module docstring): a user turn, then an
-# assistant turn whose text no template rewrites. Nothing of it is ever tokenized.
-STAND_IN = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "MUA-RL stand-in turn."}]
-
-
-def template_diff(tok, new_messages, tools=None):
-    """Text the template adds after an agent turn's end-of-turn token when `new_messages` (tool results, a user
-    turn) follow it, up to and including the next generation prompt.
-
-    Rendered after STAND_IN rather than after the real history: templates such as Qwen3's rewrite earlier turns
-    when messages are appended (they drop old reasoning, and show an empty think block on the last assistant
-    turn only), so the real history's text is not a prefix of its own extension. What a template adds for the
-    *new* messages depends only on those messages and on following an assistant turn, which STAND_IN provides."""
-    text = render(tok, STAND_IN + new_messages, tools, add_generation_prompt=True)
-    eot = end_of_turn(tok)
-    at = text.find(STAND_IN[-1]["content"])
-    end = text.find(eot, at) if at >= 0 else -1
-    first = new_messages[0].get("content") or ""  # the assistant turn must end before the next message starts
-    if end < 0 or (first and 0 <= text.find(first, at) < end):
-        raise ValueError(f"chat template of {tok.name_or_path or type(tok).__name__}: cannot find the end of an "
-                         f"assistant turn ({eot!r}) before a {new_messages[0]['role']!r} message, so the tokens "
-                         "between agent turns cannot be told apart from the agent's")
-    return text[end + len(eot):]
-
-
-def agent_text(tok, message, tools=None):
-    """What the policy samples for an assistant `message`: the template's text for it as the newest turn, after
-    the generation prompt, through its end-of-turn token (for Qwen3: the think block, the reply, the tool calls)."""
-    prompt = render(tok, STAND_IN[:1], tools, add_generation_prompt=True)
-    full = render(tok, STAND_IN[:1] + [message], tools)
-    eot = end_of_turn(tok)
-    if not full.startswith(prompt) or eot not in full[len(prompt):]:
-        raise ValueError(f"chat template of {tok.name_or_path or type(tok).__name__}: an 'assistant' message does "
-                         f"not render as the generation prompt followed by the reply and {eot!r}")
-    text = full[len(prompt):]
-    return text[:text.rindex(eot) + len(eot)]
-
-
-def agent_view(messages):
-    """The conversation as the agent sees it. The user's own tool calls and their results (dual control, tau2
-    telecom: the user's phone) are kept in a transcript marked "side": "user" for the evaluator, which replays them;
-    they are the user's business and never reach the agent's context, tokens or loss mask."""
-    return [m for m in messages if m.get("side") != "user"]
-
-
-def encode_conversation(tok, messages, tools=None):
-    """ids and loss mask of a finished conversation, built exactly as a rollout that sampled its assistant turns
-    would have built it. Assistant turns (reasoning, content, tool calls, end-of-turn) get mask 1; else 0.
-    The user's own tool calls and results (dual control) are not the agent's context: left out, as in a rollout."""
-    messages = agent_view(messages)
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
-    if first is None:
-        raise ValueError("a conversation to train on needs at least one assistant message")
-    ids = encode(tok, render(tok, messages[:first], tools, add_generation_prompt=True))
-    mask = [0] * len(ids)
-    i = first
-    while i < len(messages):
-        agent_ids = encode(tok, agent_text(tok, messages[i], tools))
-        ids += agent_ids
-        mask += [1] * len(agent_ids)
-        j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
-        if j < len(messages):  # the turns between two agent turns, as the rollout appends them
-            diff_ids = encode(tok, template_diff(tok, messages[i + 1:j], tools))
-            ids += diff_ids
-            mask += [0] * len(diff_ids)
-        i = j
-    return ids, mask
-
-
-# ----------------------------------------------------------------------------------------------------
-# parsing the agent's text
-
-TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
-MAX_CALL_DEPTH = 32  # a real call nests 3 levels; a deeper one is refused before it reaches a tool or a template
-MAX_CALL_CHARS = 20_000  # a real call is well under 1k characters
-
-
-def parse_assistant(text):
-    """Assistant text -> OpenAI-style message. Calls that cannot be parsed are kept with an `error` so the
-    agent is told what was wrong instead of the episode crashing. Reasoning (thinking mode: text before
-    `</think>`) becomes `reasoning_content`, split as Qwen3's template splits it; calls inside it are not
-    made, and the user simulator never sees it."""
-    reasoning = None
-    if "</think>" in text:
-        reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
-        text = text.split("</think>")[-1].lstrip("\n")
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        call = {"type": "function", "function": {"name": "", "arguments": {}}}
-        try:
-            if len(body) > MAX_CALL_CHARS:  # refused unread: decoding a runaway output is the slow part
-                raise ValueError(f"longer than {MAX_CALL_CHARS} characters")
-            obj = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            obj, problem = None, f"{e.msg} at char {e.pos}"
-        except (ValueError, RecursionError) as e:  # an int past 4300 digits; nesting past the recursion limit
-            obj, problem = None, f"{type(e).__name__}: {str(e)[:200]}"
-        else:
-            problem = None if _depth(obj) <= MAX_CALL_DEPTH else f"nested deeper than {MAX_CALL_DEPTH} levels"
-        if problem:
-            call["error"] = f"Error: could not parse the tool call as JSON ({problem})."
-            call["function"]["arguments"] = body.strip()  # the raw text: it renders like any other string
-        elif not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            call["error"] = 'Error: a tool call must be a JSON object {"name": ..., "arguments": {...}}.'
-        else:
-            call["function"] = {"name": obj["name"], "arguments": obj.get("arguments", {})}
-        calls.append(call)
-    content = TOOL_CALL.sub("", text).strip()
-    msg = {"role": "assistant", "content": content}
-    if reasoning:
-        msg["reasoning_content"] = reasoning
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
-
-
-def _depth(x, limit=MAX_CALL_DEPTH):
-    """Nesting depth of a decoded JSON value, counted only up to limit + 1 (so it is cheap on any input)."""
-    todo, deepest = [(x, 1)], 0
-    while todo:
-        v, d = todo.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            if d > limit:
-                break
-            todo += [(c, d + 1) for c in (v.values() if isinstance(v, dict) else v)]
-    return deepest
-
-
-def execute_calls(db, msg, call_tool=env.call_tool):
-    """Run every call of an assistant message on this episode's db. -> (tool messages, n_errors, transferred).
-    Never raises: whatever the model wrote, each call is answered, at worst with an error message."""
-    out, errors, transferred = [], 0, False
-    for call in msg.get("tool_calls", []):
-        name = call["function"]["name"]
-        if "error" in call:
-            content, is_error = call["error"], True
-        else:
-            try:
-                content, is_error = call_tool(db, name, call["function"]["arguments"])
-            except Exception as e:  # noqa: BLE001 - a swapped-in call_tool (MCP, simulator) must not end the batch
-                content, is_error = f"Error: {type(e).__name__}: {str(e)[:200]}", True
-        errors += is_error
-        transferred |= (name == "transfer_to_human_agents" and not is_error)
-        out.append({"role": "tool", "name": name or "invalid", "content": content})
-    return out, errors, transferred
-
-
-# ----------------------------------------------------------------------------------------------------
-# log-probs of a batch of token sequences: what SFT's loss and GRPO's ratio are made of
-
-
-def pad_batch(seqs, pad_id, device):
-    """Right-pad lists of (ids, mask) -> ids (B, T), loss mask (B, T), attention mask (B, T)."""
-    T = max(len(ids) for ids, _ in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    lmask = torch.zeros((len(seqs), T), dtype=torch.float)
-    attn = torch.zeros((len(seqs), T), dtype=torch.long)
-    for b, (i, m) in enumerate(seqs):
-        ids[b, :len(i)], lmask[b, :len(m)], attn[b, :len(i)] = torch.tensor(i), torch.tensor(m, dtype=torch.float), 1
-    return ids.to(device), lmask.to(device), attn.to(device)
-
-
-LOGPROB_CHUNK = 2048  # token rows whose fp32 (rows, vocab) logits exist at once: 2048 x 151936 x 4 B = 1.2 GB
-
-
-def token_logprobs(model, ids, attn, temperature=1.0, chunk=None):
-    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature.
-    With `chunk`, that many rows of logits at a time (logprobs_chunked, what training uses); without, the whole
-    (B, T, V) logits through the model's own output layer (its forward hooks included)."""
-    if chunk:
-        return logprobs_chunked(model, ids, attn, temperature, chunk)[0]
-    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
-
-
-def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, with_entropy=False):
-    """What logprobs_from_logits computes, without the (B, T, V) logits: for the length of this forward the
-    model's output layer is swapped for one that turns the final hidden states into the log-probs of the next
-    tokens directly, `chunk` token rows at a time, each chunk under activation checkpointing (its logits are
-    recomputed in the backward instead of kept). At Qwen3's vocabulary (151,936) and 16k tokens the full fp32
-    logits alone are 10 GB, their log-softmax and gradient as much again; a chunk is 1.2 GB. The swap happens
-    inside the model's own forward, so DDP's and FSDP's hooks see an ordinary forward. An output layer with
-    hooks of its own (they are part of the model) is run whole instead.
-    -> (log-probs (B, T-1), entropy (B, T-1) or None, greedy (B, T-1) bool: the next token is the argmax)."""
-    head = unwrap(model).get_output_embeddings()  # the lm_head Linear (tied or not), also under peft
-    if head._forward_hooks or head._forward_pre_hooks:  # swapping the head would bypass them: the whole logits
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-        lp, ent = logprobs_from_logits(logits, ids, temperature, with_entropy)
-        return lp, ent, logits[:, :-1].argmax(-1) == ids[:, 1:]
-    targets = ids[:, 1:]
-
-    def to_logprobs(hidden):  # hidden (B, T, H) -> (B * (T-1), 3): log-prob, entropy, greedy hit
-        h, tgt = hidden[:, :-1].reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-        rows = []
-        for i in range(0, h.shape[0], chunk):
-            args = (h[i:i + chunk], head.weight, head.bias, tgt[i:i + chunk], temperature, with_entropy)
-            rows.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-                        if torch.is_grad_enabled() else _chunk_logprobs(*args))
-        return torch.cat(rows)  # not a view: FSDP's backward hook on a module's output must not see a view
-
-    head.forward = to_logprobs  # an instance attribute: shadows the class's forward until deleted
-    try:
-        out = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.view(*targets.shape, 3)
-    finally:
-        del head.forward
-    return out[..., 0], out[..., 1] if with_entropy else None, out[..., 2].bool()
-
-
-def _chunk_logprobs(h, weight, bias, tgt, temperature, with_entropy):
-    """h (n, H), tgt (n,) -> (n, 3): log p(tgt), the entropy (0 unless asked), 1 where tgt is the argmax."""
-    logp = torch.log_softmax(torch.nn.functional.linear(h, weight, bias).float() / temperature, -1)  # (n, V)
-    lp = logp.gather(-1, tgt[:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(lp)
-    return torch.stack([lp, ent, (logp.argmax(-1) == tgt).float()], -1)
-
-
-def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
-    """logits (B, T, V) -> (log p(ids[:, t+1]) at each position t < T-1, entropy there or None). Logits are
-    divided by the sampling temperature so that GRPO's ratios use the distribution the rollout sampled from."""
-    logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
-
-
-def autocast(device):
-    on_gpu = str(device).startswith("cuda") and torch.cuda.is_bf16_supported()
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
-
-
-# ----------------------------------------------------------------------------------------------------
-# generation backends: prompts (lists of token ids) in, sampled ids and their log-probs out
+# the samplers: prompts (lists of token ids) in, sampled ids and their log-probs out
 
 
 def _cache_kw(model):
@@ -804,275 +976,8 @@ def row_seed(seed, row):
     return None if seed is None else (seed * 1_000_003 + row) % (2 ** 31 - 1)
 
 
-# ----------------------------------------------------------------------------------------------------
-# episodes
-
-
-@dataclass
-class Episode:
-    task_id: str
-    messages: list                      # OpenAI-style transcript, system prompt first
-    ids: list = field(default_factory=list)        # every token of the conversation, as the policy saw it
-    loss_mask: list = field(default_factory=list)  # 1 exactly where the policy sampled the token
-    logprobs: list = field(default_factory=list)   # sampling log-prob where mask==1, else 0.0
-    reward: float = 0.0
-    reward_info: dict = field(default_factory=dict)
-    turns: int = 0                      # agent turns (generations)
-    tool_calls: int = 0
-    tool_errors: int = 0
-    user_tool_calls: int = 0            # the user's own calls (dual control), run on the user's side of the world
-    end_reason: str = ""                # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error
-    errored: bool = False               # the user simulator failed: exclude from scores, do not count as 0
-    error: str = ""                     # why it errored (the user simulator's message), when known
-    kind: str = ""
-    db: dict = None                     # this episode's own database (final state)
-
-    def to_json(self):
-        return {k: v for k, v in self.__dict__.items() if k != "db"}
-
-
-def run_episodes(gen, tok, tasks, db, make_user, tools=env.TOOL_SCHEMAS, system_prompt=SYSTEM_PROMPT,
-                 max_turns=30, max_len=4096, max_new_tokens=256, temperature=1.0, top_p=1.0, seed=0,
-                 call_tool=env.call_tool, check_communicate=False, make_agent=None, score=True, call_user_tool=None):
-    """Play one episode per task (repeat a task in `tasks` for a GRPO group). Every turn all episodes waiting
-    on the agent are generated in one batch; tool calls run on each episode's own deep copy of `db`;
-    texts go to each episode's user simulator. Finished episodes leave the batch. Returns scored Episodes.
-    `make_user(task, seed)` builds one user simulator; `call_tool(db, name, args)` may be swapped for an MCP
-    client or an LLM that simulates tools. With `make_agent(task, seed)` (an object whose act(messages)
-    returns the agent's text, e.g. synth.py's oracle or a teacher LLM) instead of `gen`/`tok`, the same loop
-    plays text-only episodes (no token ids).
-    A benchmark whose entries bring their own functions and state (BFCL, in evaluate.py) passes `tools` and
-    `db` as functions of the task (the episode's schemas; the episode's state, handed to call_tool as is) and
-    score=False; system_prompt=None starts the conversation at the user's first message. A world with a scorer of its
-    own (a tau2 domain, env.Tau2Domain) passes score(ep, task), which sets ep.reward and ep.reward_info.
-    Dual control: a user reply may call the user's own tools, run by `call_user_tool(db, name, args)` (user_side)."""
-    tools_of = tools if callable(tools) else (lambda task: tools)
-    # every episode gets its own copy of the db (canonical_db is a deep copy, several times faster than deepcopy)
-    eps = [Episode(task_id=str(t["id"]), messages=[], kind=t.get("kind", ""),
-                   db=db(t) if callable(db) else env.canonical_db(db)) for t in tasks]
-    ep_tools = [tools_of(t) for t in tasks]
-    if hasattr(gen, "kv"):
-        gen.kv = {}  # caches from an earlier call may come from older weights
-    users = [make_user(t, seed * 100003 + i) for i, t in enumerate(tasks)]
-    agents = [make_agent(t, seed * 100003 + i) for i, t in enumerate(tasks)] if make_agent else None
-    firsts = env.start_all(users)
-    for ep in eps:
-        ep.messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-    firsts = user_side(eps, users, list(range(len(eps))), firsts, call_user_tool, max_turns)  # may use its tools
-    for ep, first, ts in zip(eps, firsts, ep_tools):
-        ep.messages.append({"role": "user", "content": first})
-        if tok:
-            _append(ep, encode(tok, render(tok, agent_view(ep.messages), ts, add_generation_prompt=True)), 0)
-    _check_users(eps, users, range(len(eps)))  # first: a user that failed at its first message errored the episode
-    for ep in eps:
-        if tok and not ep.end_reason and len(ep.ids) >= max_len:  # the prompt alone fills the episode (a long
-            ep.end_reason = "max_tokens"                             # policy): nothing to sample
-    eot = end_of_turn(tok) if tok else ""
-    for turn in range(max_turns):
-        live = [i for i, ep in enumerate(eps) if not ep.end_reason]
-        if not live:
-            break
-        if agents:
-            outs = [(text + eot, None) for text in act_all([agents[i] for i in live], [eps[i].messages for i in live])]
-        else:
-            outs = gen.generate([eps[i].ids for i in live], max_new_tokens, temperature, top_p,
-                                seed=seed * 7919 + turn, cache_keys=live)
-        to_tools, to_user = [], []
-        for i, (new_ids, lps) in zip(live, outs):
-            ep = eps[i]
-            if agents and getattr(agents[i], "error", None):  # the agent's endpoint failed: the policy is not to blame
-                ep.errored, ep.error, ep.end_reason = True, str(agents[i].error), "agent_error"
-                continue
-            ep.turns += 1
-            if agents:
-                text = new_ids
-            else:  # the sampled tokens, end-of-turn included: the only mask-1 positions
-                _append(ep, new_ids, 1, lps)
-                text = tok.decode(new_ids, skip_special_tokens=False)
-            complete = text.endswith(eot)
-            msg = parse_assistant(text[:len(text) - len(eot)] if complete else text)
-            ep.messages.append(msg)
-            if not complete:  # ran out of new tokens mid-turn
-                ep.end_reason = "max_tokens"
-            else:
-                (to_tools if msg.get("tool_calls") else to_user).append(i)
-        # every call of this turn at once, each on its own episode's db
-        for i, (results, errors, transferred) in zip(to_tools, execute_all(
-                [(eps[i].db, eps[i].messages[-1]) for i in to_tools], call_tool)):
-            ep = eps[i]
-            ep.tool_calls += len(results)
-            ep.tool_errors += errors
-            _add_turns(ep, tok, results, ep_tools[i], max_len)
-            ep.end_reason = ep.end_reason or ("transfer" if transferred else "")
-        replies = env.respond_all([users[i] for i in to_user], [eps[i].messages[-1]["content"] for i in to_user])
-        replies = user_side(eps, users, to_user, replies, call_user_tool, max_turns)
-        for i, reply in zip(to_user, replies):
-            if users[i].done:  # the user's last words end the episode; no more tokens are needed
-                eps[i].messages.append({"role": "user", "content": reply})
-            else:
-                _add_turns(eps[i], tok, [{"role": "user", "content": reply}], ep_tools[i], max_len)
-        _check_users(eps, users, to_user)
-    for ep in eps:
-        ep.end_reason = ep.end_reason or "max_turns"
-    if score:  # a failed user simulator says nothing about the policy: its episode is not scored
-        reward = score if callable(score) else shop_reward(db, check_communicate)
-        for ep, task in zip(eps, tasks):
-            if not ep.errored:
-                reward(ep, task)
-    return eps
-
-
-def user_side(eps, users, idx, replies, call_tool, max_rounds):
-    """Dual control: a user's reply may call the user's own tools (tau2 telecom: the phone). Every call runs on the
-    episode's world, on the user's side; the call message and its results join ep.messages marked "side": "user"
-    (the evaluator replays them; agent_view drops them, so they never reach the agent's tokens or mask) and go back
-    to the user, who speaks again. A malformed or unknown call gets an error message and the user goes on. A user
-    still calling tools after `max_rounds` rounds ends its episode at the step limit. -> the users' replies."""
-    replies = dict(zip(idx, replies))
-    no_tools = lambda _db, name, _args: (f"Error: the user has no tools here (called {name!r})", True)  # noqa: E731
-    for round_ in range(max_rounds + 1):
-        calling = [(i, msg) for i in idx if not users[i].done
-                   for msg in [parse_assistant(replies[i])] if msg.get("tool_calls")]
-        if not calling:
-            break
-        idx = [i for i, _ in calling]
-        if round_ == max_rounds:  # still calling: the step limit ends the episode
-            for i, msg in calling:
-                eps[i].end_reason, replies[i] = eps[i].end_reason or "max_turns", msg["content"]
-            break
-        results = []
-        for i, msg in calling:
-            out, _errors, _ = execute_calls(eps[i].db, msg, call_tool or no_tools)
-            results.append(out)
-            eps[i].user_tool_calls += len(out)
-            eps[i].messages += [{"role": "user", "side": "user", "content": msg["content"],
-                                 "tool_calls": msg["tool_calls"]}] + [{**r, "side": "user"} for r in out]
-        for (i, _msg), reply in zip(calling, env.tool_results_all([users[i] for i in idx],
-                                                                  [m for _, m in calling], results)):
-            replies[i] = reply
-    return [replies[i] for i in replies]
-
-
-def act_all(agents, histories):
-    """The next turn of each text-only agent. ChatAgents that share a backend and settings are asked in one
-    batched chat() call, so an endpoint gets every live episode's request at once; any other agent acts in turn.
-    Each sees its conversation as agent_view shows it (without the user's own tool calls)."""
-    histories = [agent_view(h) for h in histories]
-    out, groups = [None] * len(agents), {}
-    for i, a in enumerate(agents):
-        if not isinstance(a, ChatAgent):
-            out[i] = a.act(histories[i])
-        elif a.out_of_time() or a.error:  # its endpoint failed for good: run_episodes ends the episode
-            out[i] = ""
-        else:
-            groups.setdefault((id(a.backend), a.max_new_tokens, a.temperature), []).append(i)
-    for idx in groups.values():
-        first, t0 = agents[idx[0]], time.monotonic()
-        seeds = [agents[i].turn_seed(histories[i]) for i in idx]
-        tools = [agents[i].current_tools() for i in idx]
-        replies = first.backend.chat([histories[i] for i in idx], first.max_new_tokens, first.temperature, seeds,
-                                     tools)
-        for i, reply in zip(idx, replies):
-            agents[i].waited += time.monotonic() - t0
-            out[i] = agents[i].take(reply)
-    return out
-
-
-def execute_all(items, call_tool=env.call_tool):
-    """execute_calls for several episodes' assistant messages, items = [(db, msg)]. A call_tool with a
-    call_all(requests) method (an LLM that simulates the tools) answers every call of the step in one batch."""
-    if not hasattr(call_tool, "call_all"):
-        return [execute_calls(db, msg, call_tool) for db, msg in items]
-    requests = [(db, c["function"]["name"], c["function"]["arguments"])
-                for db, msg in items for c in msg.get("tool_calls", []) if "error" not in c]
-    answers = iter(call_tool.call_all(requests))  # in the order execute_calls asks for them
-    return [execute_calls(db, msg, lambda _db, _name, _args: next(answers)) for db, msg in items]
-
-
-def score_episode(ep, task, initial_db, check_communicate=False, gold_hash=None):
-    """The 0/1 task reward (env.compute_reward) of a finished episode; errored episodes are not scored."""
-    if not ep.errored:
-        info = env.compute_reward(task, initial_db, ep.db, ep.messages, check_communicate, gold_hash)
-        ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
-    return ep
-
-
-def shop_reward(db, check_communicate=False):
-    """reward(ep, task) on the generated shop (db: the shop every episode starts from): score_episode, the gold
-    end state's hash computed once per task (GRPO plays each task G times, over many steps)."""
-    gold = {}  # id(task) -> (task, hash); the task is held so that its id cannot be reused
-
-    def reward(ep, task):
-        if id(task) not in gold:
-            gold[id(task)] = (task, env.db_hash(env.gold_db(task, db)))
-        score_episode(ep, task, db, check_communicate, gold[id(task)][1])
-    return reward
-
-
-def _append(ep, ids, mask_value, logprobs=None):
-    ep.ids += ids
-    ep.loss_mask += [mask_value] * len(ids)
-    ep.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
-
-def _add_turns(ep, tok, new_messages, tools, max_len):
-    """Append tool results or a user turn after the agent's last message, as the template renders them."""
-    if tok is None:  # a text-only episode
-        ep.messages += new_messages
-        return
-    diff = encode(tok, template_diff(tok, new_messages, tools))
-    ep.messages += new_messages
-    if len(ep.ids) + len(diff) >= max_len:
-        ep.end_reason = ep.end_reason or "max_tokens"
-        return
-    _append(ep, diff, 0)
-
-
-def _check_users(eps, users, idx):
-    for i in idx:
-        if users[i].done and not eps[i].end_reason:
-            eps[i].end_reason = users[i].end_reason
-            eps[i].errored = users[i].error is not None
-            eps[i].error = str(users[i].error or "")
-
-
-def short_reason(text):
-    """An error message as a summary's key: numbers blanked (so that "after 3 attempt(s)" or a port number does
-    not split one cause into many), at most 160 characters."""
-    return re.sub(r"(?<![A-Za-z])\d+", "N", str(text))[:160]
-
-
-def errored_reasons(eps):
-    """Counter of why episodes errored, for run summaries: each one's error message (short_reason), or its end
-    reason."""
-    return collections.Counter(short_reason(e.error) if e.error else (e.end_reason or "unknown")
-                               for e in eps if e.errored)
-
-
-def first_errored_reason(eps):
-    """short_reason of the first errored episode, in order ('' when none errored): the one-line stop messages'."""
-    return next((short_reason(e.error or e.end_reason) for e in eps if e.errored), "")
-
-
-def all_errored(eps):
-    """'' unless every one of eps errored; then one line: how many, and why the first did."""
-    n = sum(e.errored for e in eps)
-    return f"every episode errored ({n} of {len(eps)}), the first because {first_errored_reason(eps)}" if (
-        eps and n == len(eps)) else ""
-
-
-def errored_summary(eps):
-    """'' when no episode errored, else one line: how many and why, most common reason first."""
-    why = errored_reasons(eps)
-    if not why:
-        return ""
-    return f"{sum(why.values())} of {len(eps)} episodes errored (not scored): " + "; ".join(
-        f"{n}x {reason}" for reason, n in why.most_common())
-
-
-# ----------------------------------------------------------------------------------------------------
-# chat backends for the other LLM roles (the user simulator, a teacher agent, a tool simulator): messages in,
-# text out. A local transformers model or any OpenAI-compatible endpoint.
+# chat backends for the other LLM roles (the user, a teacher agent, a tool simulator, a judge): messages in, text
+# out. A local transformers model or any OpenAI-compatible endpoint.
 
 class HFChatBackend:
     """A local transformers causal LM. Batched generate with left padding (fine for the user; not the policy)."""
@@ -1217,7 +1122,7 @@ class OpenAIChatBackend:
 
     def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
         """One reply per conversation: its text (the endpoint's tool calls turned into Hermes <tool_call> text,
-        the format parse_assistant reads), or the env.UserSimError that ended its request."""
+        the format env.parse_assistant reads), or the env.UserSimError that ended its request."""
         seeds, each = per_conversation(batch, seed, tools)
         async def every():
             return await asyncio.gather(*[self._request(m, max_new_tokens, temperature, s, ts)
@@ -1275,7 +1180,9 @@ def chat_backend(spec, model_name=None, concurrency=64, deadline=300.0):
                                  concurrency=concurrency, deadline=deadline)
     if spec == "smollm2":
         spec = load_smollm2(os.path.join(tempfile.gettempdir(), "mua_rl_smollm2"))
-    return HFChatBackend.from_pretrained(spec)
+    backend = HFChatBackend.from_pretrained(spec)
+    backend.deadline = deadline  # an LLM user on it may wait 4x that over its episode, as on an endpoint
+    return backend
 
 
 def ask_judge(backend, prompts, accept, max_new_tokens=1024, tries=3):
@@ -1319,40 +1226,6 @@ def _json_answer(text, accept):
     return NoJudgeAnswer(f"no valid JSON answer in the judge's reply: {text[:200]!r}")
 
 
-class ChatAgent:
-    """An LLM behind a chat backend plays the agent (run_episodes' make_agent): it sees the conversation and the
-    tool schemas (`tools`: a list, or a function returning the schemas of the moment), and its tool calls come
-    back as Hermes <tool_call> text. A backend that fails for good (after its own retries) ends this agent's
-    turns with empty replies and is kept in `error`, so one bad conversation cannot stop a whole evaluation.
-    act_all batches the turns of every ChatAgent on one backend. `deadline`: seconds it may spend waiting on its
-    backend over the whole episode (None: no limit)."""
-
-    def __init__(self, backend, tools, max_new_tokens=1024, temperature=0.0, seed=0, deadline=None):
-        self.backend, self.tools = backend, tools
-        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.deadline, self.waited, self.error = deadline, 0.0, None
-
-    def out_of_time(self):
-        if self.deadline is not None and self.waited >= self.deadline and not self.error:
-            self.error = f"agent endpoint out of time: waited {self.waited:.0f} s, deadline {self.deadline:g} s"
-        return self.error is not None
-
-    def act(self, messages):
-        return act_all([self], [messages])[0]
-
-    def turn_seed(self, messages):
-        return (self.seed + len(messages)) % 2**31  # a new one each turn, as the LLM user's; fits any API
-
-    def current_tools(self):
-        return self.tools() if callable(self.tools) else self.tools
-
-    def take(self, reply):
-        if isinstance(reply, Exception):
-            self.error = str(reply)
-            return ""
-        return reply
-
-
 def add_user_args(p):
     """The user simulator's flags (and every endpoint's limits): the same group in synth.py, grpo.py, evaluate.py."""
     g = p.add_argument_group("user simulator")
@@ -1370,46 +1243,12 @@ def add_user_args(p):
                    "retries included (a user: 4x that over its whole episode)")
 
 
-def make_user_factory(spec=None, model_name=None, guidelines=None, concurrency=64, deadline=300.0,
-                      guidelines_text=None, **llm_user_kw):
-    """make_user(task, seed) for run_episodes: env's scripted user (spec None; "cooperative": the same user on
-    env.cooperative_task), the gold replay of a tau2 task's user side (spec "gold", env.GoldUser), or an LLM user
-    on chat_backend(spec), prompted with the guidelines file `guidelines` or the text `guidelines_text` (neither:
-    env's fallback wording); llm_user_kw may give it `tools`, the user's own tool schemas (dual control).
-    `concurrency`: requests in flight at an endpoint; `deadline`: seconds for one request, retries included, and
-    (x4) for all of one user's waiting in an episode."""
-    if not spec:
-        return lambda task, seed: env.ScriptedUser(task, seed)
-    if spec == "cooperative":
-        return lambda task, seed: env.ScriptedUser(env.cooperative_task(task), seed)
-    if spec == "gold":
-        return lambda task, seed: env.GoldUser(task, seed)
-    backend = chat_backend(spec, model_name, concurrency=concurrency, deadline=deadline)
-    llm_user_kw.setdefault("deadline", 4 * deadline)
-    text = guidelines_text if guidelines_text and not guidelines else env.load_guidelines(guidelines)
-    return lambda task, seed: env.LLMUser(task, backend, seed, guidelines=text, **llm_user_kw)
 
 
-def tau2_episode_kw(domain, reward_basis="task", judge=None):
-    """run_episodes' keyword arguments that play a tau2 domain (env.Tau2Domain) on tau2's own code: a fresh world
-    per episode, tau2's tool schemas and policy, every call (the user's too) through tau2's environment, and tau2's
-    evaluator as the scorer: reward_basis "task" scores the task's own reward basis, "db" its database check;
-    judge = (URL, model) has tau2's judge rate the NL assertions."""
-    def score(ep, task):
-        ep.reward_info = domain.score(task, ep.messages, ep.end_reason, reward_basis, judge)
-        ep.reward = ep.reward_info["reward"]
-    return dict(db=domain.world, tools=domain.tools, system_prompt=agent_system_prompt(text=domain.policy),
-                call_tool=env.tau2_call, call_user_tool=env.tau2_user_call, score=score)
-
-
-def tau2_user_factory(domain, spec=None, model_name=None, guidelines=None, **kw):
-    """make_user for a tau2 domain: the gold replay's user side (spec None or "gold"), or an LLM user with tau2's
-    user guidelines (the tool-using ones where the user has tools) and the user's own tool schemas."""
-    if not spec or spec == "gold":
-        return make_user_factory("gold")
-    return make_user_factory(spec, model_name, guidelines, guidelines_text=domain.guidelines,
-                             tools=domain.user_tools or None, **kw)
-
+def user_backend(spec, model_name=None, concurrency=64, deadline=300.0):
+    """The --user flag -> what a World takes as its user: None, "cooperative" and "gold" as they are; a model path,
+    "smollm2" or an OpenAI-compatible URL -> the chat backend an LLM user talks through."""
+    return spec if spec in (None, "", "cooperative", "gold") else chat_backend(spec, model_name, concurrency, deadline)
 
 # --- SmolLM2 (offline, from pip)
 
@@ -1527,6 +1366,32 @@ def open_metrics(path, start_step):
             f.writelines(keep)
         os.replace(path + ".tmp", path)
     return open(path, "a")
+
+
+
+class Ranks:
+    """What the ranks of a torchrun job must agree on. Alone (world 1) every method gives back what it is given,
+    so a first reading can take each call as the identity."""
+
+    def __init__(self, rank=0, world=1, device="cpu"):
+        self.rank, self.world, self.device = rank, world, device
+
+    def any(self, flag):
+        """Whether flag (a bool or 0-dim tensor) holds on any rank: every rank must take the same branch."""
+        return float(all_reduce_sum(torch.tensor(float(flag)))) > 0
+
+    def sum(self, x):
+        return all_reduce_sum(x)
+
+    def tokens(self, n):
+        """The normaliser of a token-level mean over the global batch: the tokens of every rank (at least 1), divided
+        by the number of ranks, since DDP and FSDP average the ranks' gradients."""
+        return max(1.0, float(all_reduce_sum(torch.tensor(float(n))))) / self.world
+
+    def even(self, batches, dummy):
+        """batches, padded with dummy() to the most any rank has: DDP all-reduces gradients inside every backward
+        and FSDP all-gathers weights in every forward, so every rank must run as many (a rank may have none)."""
+        return batches + [dummy() for _ in range(int(all_reduce_max(torch.tensor(len(batches)))) - len(batches))]
 
 
 # ----------------------------------------------------------------------------------------------------

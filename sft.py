@@ -3,7 +3,6 @@ sft.py: cold-start supervised fine-tuning (MUA-RL's second stage) on synthesized
 
     python sft.py                                        # the committed tiny base (tests/tiny_base), CPU, minutes
     python sft.py --model tiny                           # a tiny Qwen3-style model from scratch instead
-    python sft.py --pretrain --out tests/tiny_base --overwrite   # how the committed base was made (6.5 min)
     python sft.py --model /path/to/SmolLM2-135M-Instruct --lr 5e-5 --steps 20
     torchrun --nproc_per_node 8 sft.py --model Qwen/Qwen3-0.6B --batch-size 4 --grad-accum 4 --lr 1e-5
 
@@ -14,10 +13,10 @@ written atomically; --resume continues a killed run from the last one.
 What is simplified, and why:
 1. One loop for every model: AdamW, linear warm-up then cosine, gradient accumulation, DDP under torchrun.
    The loss is a token-level mean over the agent tokens of the whole global batch, whatever the micro-batches.
-2. The CPU demo starts, as the paper does, from a pretrained base: a ~1M-parameter Qwen3 that this file's
-   `--pretrain` made once and the repository commits (tests/tiny_base, 5 MB). Its pretraining (the fenced section
-   at the bottom) is a BPE, a copy curriculum that teaches it to copy ids, then language modelling on text of the
-   generated shop: the training users' records as tool calls and results, never a test user or a conversation.
+2. The CPU demo starts, as the paper does, from a pretrained base: a ~1M-parameter Qwen3 that
+   tests/pretrain_base.py made once and the repository commits (tests/tiny_base, 5 MB): a BPE, a copy curriculum
+   that teaches it to copy ids, then language modelling on text of the generated shop (the training users' records
+   as tool calls and results, never a test user or a conversation).
    `--model tiny` builds the same model from scratch inside SFT instead; whether its copy circuit forms in time
    then depends on machine and seed. A real checkpoint (`--model PATH`) is used as it is.
 3. For the tiny family (the base, or `--model tiny`), every step re-draws the ids and names of its conversations
@@ -31,7 +30,6 @@ import math
 import os
 import random
 import re
-import shutil
 import time
 from dataclasses import dataclass
 
@@ -65,9 +63,6 @@ def main(argv=None):
     g.add_argument("--n-head", type=int, default=4, help="tiny: attention heads")
     g.add_argument("--copy-warmup", type=int, default=900, help="tiny: at most this many short copy steps, + 1/3 long")
     g.add_argument("--copy-mix", type=int, default=4, help="tiny family: copy sequences mixed into every SFT step")
-    g = p.add_argument_group("pretraining the tiny base (once; the repository commits the result)")
-    g.add_argument("--pretrain", action="store_true", help="pretrain a tiny base into --out instead of SFT: a BPE, "
-                   "the copy warm-up, then --steps steps of language modelling on the shop beside --data")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=600, help="optimizer steps (the CPU demo: about 6 min)")
@@ -97,11 +92,7 @@ def main(argv=None):
             ("--n-head", a.n_head >= 1 and a.d_model % a.n_head == 0, ">= 1 and a divisor of --d-model"),
             ("--copy-warmup", a.copy_warmup >= 0, ">= 0"), ("--copy-mix", a.copy_mix >= 0, ">= 0")])
     claim_or_stop(p, a.out, a.resume, a.overwrite)
-    tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup) \
-        if a.model == "tiny" or a.pretrain else None
-    if a.pretrain:
-        return pretrain_base(data=a.data, out=a.out, tiny=tiny, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-                             warmup=a.warmup, max_len=min(a.max_len, 512), copy_mix=a.copy_mix, seed=a.seed)
+    tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup) if a.model == "tiny" else None
     return train(data=a.data, model=a.model, tiny=tiny, out=a.out, steps=a.steps, batch_size=a.batch_size,
                  grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
                  max_len=a.max_len, eval_every=a.eval_every, eval_frac=a.eval_frac, save_every=a.save_every,
@@ -466,8 +457,7 @@ def copy_warmup(model, tok, steps, lr, device, seed):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the base: pretrained once (`--pretrain`), committed, and the start of every demo run. A base that copies reliably
-# takes the copy circuit's formation, which machine and seed decide, out of the demo: it happens once, here.
+# the committed base (tests/tiny_base, made once by tests/pretrain_base.py) and its descendants
 
 
 def is_tiny_family(tok):
@@ -475,88 +465,6 @@ def is_tiny_family(tok):
     committed base, its descendants, --model tiny. Real chat models' tokenizers have neither."""
     vocab = tok.get_vocab()
     return all(t in vocab for t in NAME_TOKENS) and all(t in vocab for t in DIGIT_CHUNKS)
-
-
-def training_users(tasks):
-    """The users a split's generated tasks belong to (a task's script names its user)."""
-    return sorted({t["script"]["user_id"] for t in tasks if (t.get("script") or {}).get("user_id")})
-
-
-def shop_document(db, user_id, rng):
-    """One walk through a user's records, written as tool calls and their results: find the user (by e-mail,
-    or by name and zip), read the details, then some of the orders they list and a product or item each order
-    lists. Every call's arguments appear earlier in the text, as an agent's do: the text a base model of this
-    shop would have read, and copying practice in the conversations' own formats."""
-    u = db["users"][user_id]
-    find = rng.choice([("find_user_id_by_email", {"email": u["email"]}),
-                       ("find_user_id_by_name_zip", {"first_name": u["name"]["first_name"],
-                                                     "last_name": u["name"]["last_name"], "zip": u["address"]["zip"]})])
-    calls = [find, ("get_user_details", {"user_id": user_id})]
-    for oid in rng.sample(u["orders"], min(len(u["orders"]), rng.randint(1, 3))):
-        item = rng.choice(db["orders"][oid]["items"])
-        calls.append(("get_order_details", {"order_id": oid}))
-        calls.append(rng.choice([("get_product_details", {"product_id": item["product_id"]}),
-                                 ("get_item_details", {"item_id": item["item_id"]})]))
-    parts = []
-    for name, args in calls:
-        result, _ = env.call_tool(db, name, args)
-        parts.append("<tool_call>" + json.dumps({"name": name, "arguments": args}) + "</tool_call>\n" + result)
-    return "\n".join(parts)
-
-
-def pretrain_base(*, data, out, tiny, steps, batch_size, lr, warmup, max_len, copy_mix, seed):
-    """Pretrain the tiny base on the CPU: a tokenizer (trained on the SFT file's conversations and the shop
-    text), the copy warm-up, then `steps` steps of language modelling on shop documents of the training users
-    (shop.json and train_tasks.jsonl beside `data`; ids and names re-drawn in every document) with copy
-    sequences mixed in. Written to `out` as one save_pretrained folder, atomically, with its metrics and recipe.
-    No test user, test task or conversation enters the model's weights. -> (model, tokenizer)."""
-    folder = os.path.dirname(data) or "."
-    db = env.load_db(os.path.join(folder, "shop.json"))
-    users = training_users(env.load_tasks(os.path.join(folder, "train_tasks.jsonl")))
-    if not users:
-        raise SystemExit(f"sft.py --pretrain: no generated train tasks (with a script naming its user) in {folder}")
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    # the tokenizer and the untrained model exactly as `--model tiny` makes them (merges from the conversations)
-    tok, model = make_tiny(load_conversations(data), tiny.vocab_size, tiny.d_model, tiny.n_layer, tiny.n_head, seed)
-    t0 = time.time()
-    acc, short = copy_warmup(model, tok, tiny.copy_warmup, lr, "cpu", seed)
-    recipe = {"seed": seed, "users": len(users), "copy_short_steps": short, "copy_acc_after_warmup": acc,
-              "copy_warmup_s": round(time.time() - t0, 1), "steps": steps, "batch_size": batch_size, "lr": lr,
-              "max_len": max_len, "vocab": len(tok), "params": sum(p.numel() for p in model.parameters())}
-    # the shop text is where long-range copying forms: the committed base copied 0.14 of ids after the warm-up
-    # (its long stage collapsed, as it often does) and 0.925 after these steps (tests/tiny_base/pretrain.json)
-    mix = CopyMix(tok, copy_mix, seed, "cpu") if copy_mix else None
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
-    tmp = out.rstrip(os.sep) + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
-    with open(os.path.join(tmp, "metrics.jsonl"), "w") as log:
-        for step in tqdm(range(steps), desc="pretrain"):
-            docs = [redraw_ids(shop_document(db, rng.choice(users), rng), rng) for _ in range(batch_size)]
-            batch = [(ids, [1] * len(ids)) for ids in (tok(d)["input_ids"][:max_len] for d in docs)]
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, steps, lr, warmup)
-            loss = micro_loss(model, batch, sum(len(i) - 1 for i, _ in batch), "cpu")
-            total = loss + (mix.loss(model, step, 0) if mix else 0.0)
-            total.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rec = {"step": step + 1, "lm_loss": round(float(loss.detach()), 4)}
-            if (step + 1) % 100 == 0 or step + 1 == steps:
-                rec["copy_acc"] = copy_accuracy(model, tok, "cpu")
-            log.write(json.dumps(rec) + "\n")
-    recipe.update(lm_loss=rec["lm_loss"], copy_acc=copy_accuracy(model, tok, "cpu"))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    with open(os.path.join(tmp, "pretrain.json"), "w") as f:
-        json.dump(recipe, f, indent=1)
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    print(f"sft.py --pretrain: {out} ({recipe['params']:,} parameters): copy accuracy {recipe['copy_acc']:.3f}, "
-          f"shop-text loss {recipe['lm_loss']:.3f}", flush=True)
-    return model, tok
 
 
 # ----------------------------------------------------------------------------------------------------

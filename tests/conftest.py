@@ -105,10 +105,8 @@ def train_tasks(shop):
 def conversations(shop, train_tasks):
     """The oracle's conversations on those tasks, as synth.py writes them (reward 1 only)."""
     import env
-    import rollout
     import synth
-    eps = rollout.run_episodes(None, None, train_tasks, shop, make_user=rollout.make_user_factory(),
-                               make_agent=lambda t, s: synth.OracleAgent(t, s))
+    eps = util.play(train_tasks, shop, make_agent=lambda t, s: synth.OracleAgent(t, s))
     kept = [{"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": env.TOOL_SCHEMAS,
              "messages": e.messages} for e in eps if e.reward == 1.0 and not e.errored]
     assert len(kept) >= 150, "the oracle should solve nearly every generated task"
@@ -118,10 +116,12 @@ def conversations(shop, train_tasks):
 @pytest.fixture(scope="session")
 def policy_ckpt(tmp_path_factory):
     """A tiny random model whose tokenizer has seen the policy prompt (so it is a few thousand tokens, not bytes)."""
+    import env
     import rollout
     import sft
     tau2 = util.TAU2
-    system = rollout.agent_system_prompt(None, str(tau2 / "tasks.json")) if (tau2 / "policy.md").is_file() else ""
+    system = env.policy_prompt(env.policy_text(None, str(tau2 / "tasks.json"))) if (tau2 / "policy.md").is_file() \
+        else ""
     convs = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"hi {i}"},
                            {"role": "assistant", "content": f"hello {i}"}]} for i in range(4)]
     tok, model = sft.make_tiny(convs, 400, 32, 2, 2, seed=0)

@@ -112,7 +112,7 @@ def report(out, seeds):
     recs = [json.load(open(os.path.join(out, f"seed{s}", "record.json"))) for s in seeds]
     table = {}
     for s in seeds:
-        ev = lambda name, folder="eval": scores(per_task(os.path.join(out, f"seed{s}", folder, f"{name}.jsonl")))
+        ev = lambda name, folder="eval": scores(per_task(os.path.join(out, f"seed{s}", folder, f"{name}_shop.jsonl")))
         table[s] = {r: ev(r) for r in ROWS[:4]}
         table[s]["sft-more"] = ev("sft-more", "eval_more")
         table[s]["mua-rl-spread"] = ev("mua-rl-spread", "eval_more")

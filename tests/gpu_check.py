@@ -100,8 +100,10 @@ def make_data(smoke):
     """A generated shop, tasks, and the oracle's conversations (SFT data)."""
     db = synth.generate_shop(0, n_users=20 if smoke else 60)
     tasks = synth.generate_tasks(db, 0, n_train=16 if smoke else 48, n_test=2)["train"]
-    eps = rollout.run_episodes(None, None, tasks, db, rollout.make_user_factory(),
-                               make_agent=lambda t, s: synth.OracleAgent(t, s))
+    world = env.Shop(db)
+    eps = rollout.run_episodes(rollout.TextAgents(synth.OracleAgent), world, tasks)
+    for e, t in zip(eps, tasks):
+        world.score(e, t, "db")
     convs = [{"messages": e.messages, "tools": env.TOOL_SCHEMAS} for e in eps if e.reward == 1.0]
     return {"db": db, "tasks": tasks, "convs": convs}
 
@@ -173,26 +175,20 @@ def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps
     for g in opt.param_groups:
         g["lr"] = 1e-6  # the paper's RL rate
     gen = rollout.HFGenerator(rollout.unwrap(model), tok)
-    real_run, sampled = grpo.run_episodes, []
+    sampled = []
 
-    def alternate_rewards(*a, **kw):
-        eps = real_run(*a, **kw)
-        for i, e in enumerate(eps):
-            e.reward = float(i % 2 == 0)
-        sampled.extend(eps)
-        return eps
-    grpo.run_episodes = alternate_rewards
-    kw = dict(rank=0, world=1, device=device, seed=0, batch_tasks=tasks, group=group, drop_zero_spread=False,
-              mean_only=False, episode_kw=dict(max_turns=turns, max_len=max_len, max_new_tokens=new_tokens,
-                                               temperature=1.0),
+    class Alternating(env.Shop):  # rewards 1, 0, 1, 0, ... in the order episodes are scored
+        def score(self, ep, task, basis="task"):
+            ep.reward = float(len(sampled) % 2 == 0)
+            sampled.append(ep)
+    agent = rollout.TokenAgent(gen, tok, max_new_tokens=new_tokens, temperature=1.0, max_len=max_len)
+    kw = dict(ranks=rollout.Ranks(0, 1, device), seed=0, batch_tasks=tasks, group=group, reward_basis="db",
+              drop_zero_spread=False, mean_only=False,
               update_kw=dict(ppo_epochs=1, mini_batches=1, micro_batch=group, clip=0.2, beta=0.0, grad_clip=1.0,
                              temperature=1.0, seed=0))
     reset_peak(device)
-    try:
-        recs = [grpo.grpo_step(model, None, opt, gen, tok, data["tasks"], data["db"], rollout.make_user_factory(),
-                               step=s, **kw) for s in range(grpo_steps)]
-    finally:
-        grpo.run_episodes = real_run
+    world = Alternating(data["db"], max_turns=turns)
+    recs = [grpo.grpo_step(model, None, opt, agent, world, data["tasks"], step=s, **kw) for s in range(grpo_steps)]
     gen_tokens = sum(r["tokens_generated"] for r in recs)
     trained = sum(len(e.ids) for e in sampled)
     longest = max(len(e.ids) for e in sampled)
@@ -206,8 +202,7 @@ def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps
                  "result": f"loss {recs[-1]['loss']:.4f}, grad norm {recs[-1]['grad_norm']:.3f}"})
 
     # 3. the sampler's log-probs against the trainer's: fresh episodes from the current weights, no update
-    eps = rollout.run_episodes(gen, tok, data["tasks"][:tasks], data["db"], rollout.make_user_factory(),
-                               max_turns=turns, max_len=max_len, max_new_tokens=new_tokens, temperature=1.0, seed=7)
+    eps = rollout.run_episodes(agent, env.Shop(data["db"], max_turns=turns), data["tasks"][:tasks], seed=7)
     diffs = []
     with torch.no_grad():
         for e in eps:

@@ -10,6 +10,7 @@ import pytest
 import env
 import rollout
 import synth
+import util
 
 REPO = Path(__file__).resolve().parent.parent
 TAU2 = REPO.parent / "shared" / "tau2" / "retail"
@@ -576,7 +577,7 @@ class Tamper:
             name, args = self.extra
             return synth.tool_call_text(name, **args)
         text = self.o.act(messages)
-        msg = rollout.parse_assistant(text)
+        msg = env.parse_assistant(text)
         calls = msg.get("tool_calls", [])
         if calls and calls[0]["function"]["name"] in env.WRITE_TOOLS:
             self.after_write = True
@@ -735,14 +736,14 @@ def test_cooperative_user_states_everything_and_keeps_its_mind(shop, splits):
 def test_info_communicate(shop, splits):
     tasks = by_kind(splits["train"])["info"][:PER_KIND] + by_kind(splits["test"])["info"][:PER_KIND]
     assert all(t["evaluation_criteria"]["communicate_info"] for t in tasks)
-    eps = play(tasks, shop, check_communicate=True)
+    eps = play(tasks, shop, basis="task")
     for ep in eps:
         assert ep.reward == 1.0 and ep.reward_info["communicate_ok"] is True and ep.end_reason == "user_stop"
 
     class Vague:
         def act(self, messages):
             return "Let me look into that for you."
-    eps = play(tasks, shop, make_agent=lambda t, s: Vague(), check_communicate=True)
+    eps = play(tasks, shop, make_agent=lambda t, s: Vague(), basis="task")
     for ep in eps:
         assert ep.reward == 0.0 and ep.reward_info["failed"] == "communicate", ep.reward_info
         assert ep.reward_info["db_match"] is True
@@ -874,9 +875,8 @@ def test_user_deadline_errors_the_episode_with_its_reason():
             return ["Hi, I need help with an order."] * len(batch)
     backend = Slow()
     task = dict(TASK, evaluation_criteria={"actions": [], "communicate_info": []})
-    eps = rollout.run_episodes(None, None, [task], {"products": {}, "users": {}, "orders": {}},
-                               lambda t, s: LLMUser(t, backend, deadline=0.12),
-                               make_agent=lambda t, s: PlainAgent(), max_turns=10)
+    world = util.shop(user=lambda t, s: LLMUser(t, backend, deadline=0.12), max_turns=10)
+    eps = rollout.run_episodes(rollout.TextAgents(lambda t, s: PlainAgent()), world, [task])
     ep = eps[0]
     assert ep.errored and ep.end_reason == "user_error" and "out of time" in ep.error and ep.reward == 0.0
     assert ep.reward_info == {} and "out of time" in ep.to_json()["error"]

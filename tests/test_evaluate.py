@@ -54,24 +54,25 @@ def test_evaluate_cli(world):
     tasks = env.load_tasks(world.data / "test_tasks.jsonl")
     kinds = sorted({t["kind"] for t in tasks})
     lines = r.stdout.splitlines()
-    assert "| model | tasks | pass^1 | pass^2 |" in lines
+    assert "| model | world | tasks | pass^1 [95% CI] | pass^2 [95% CI] | figures |" in lines
     for name in ("base", "sft"):
-        assert any(line.startswith(f"| {name} | {len(tasks)} | ") for line in lines), r.stdout
+        assert any(line.startswith(f"| {name} | shop | {len(tasks)} | ") for line in lines), r.stdout
         for kind in kinds:
-            assert any(line.startswith(f"| {name} / {kind} | ") for line in lines), (kind, r.stdout)
+            assert any(line.startswith(f"| {name} | shop / {kind} | ") for line in lines), (kind, r.stdout)
     res = json.loads((out / "results.json").read_text())
-    assert set(res) == {"base", "sft"}
+    assert set(res) == {"base", "sft"} and all(set(s) == {"shop"} for s in res.values())
     for name, s in res.items():
+        s = s["shop"]
         a = s["all"]
         assert a["n"] == len(tasks) and a["errored"] == 0
         assert 0.0 <= a["pass^2"] <= a["pass^1"] <= a["pass@2"] <= 1.0 and a["pass^1"] == pytest.approx(a["reward"])
-        assert set(s) == {"all", *kinds}
-        rows = read_jsonl(out / f"{name}.jsonl")
+        assert set(s) == {"all", "figures", *kinds}
+        rows = read_jsonl(out / f"{name}_shop.jsonl")
         assert len(rows) == 2 * len(tasks)
         assert sorted(x["task_id"] for x in rows) == sorted(t["id"] for t in tasks for _ in range(2))
         assert all("ids" not in x and "messages" in x for x in rows)
     assert (out / "results.md").read_text().strip() in r.stdout
-    assert f"sft: pass^1 {res['sft']['all']['pass^1']:.3f} over {len(tasks)} tasks, pass@2 " in r.stdout
+    assert f"sft / shop: pass^1 {res['sft']['shop']['all']['pass^1']:.3f} over {len(tasks)} tasks, pass@2 " in r.stdout
 
 
 class FakeOpenAI(util.FakeOpenAIServer):
@@ -113,13 +114,13 @@ def tau2_args(world, tmp_path, **over):
 def test_evaluate_tau2_llm_user(world, tmp_path, fake_server):
     srv = fake_server(lambda body: (200, "I want to return my order. ###STOP###"))
     res = run_main(evaluate, **tau2_args(world, tmp_path, user=srv.url))
-    rows = read_jsonl(tmp_path / "eval" / "sft.jsonl")
+    rows = read_jsonl(tmp_path / "eval" / "sft_retail.jsonl")
     assert len(rows) == 4
     assert all(not x["errored"] and x["end_reason"] == "user_stop" for x in rows), [(x["errored"], x["end_reason"], x.get("error")) for x in rows]
     assert all(x["messages"][1] == {"role": "user", "content": "I want to return my order. ###STOP###"} for x in rows)
-    a = res["sft"]["all"]
+    a = res["sft"]["retail"]["all"]
     assert a["n"] == 2 and a["errored"] == 0 and a["pass^1"] is not None and a["pass^2"] is not None
-    assert json.loads((tmp_path / "eval" / "results.json").read_text())["sft"]["all"]["n"] == 2
+    assert json.loads((tmp_path / "eval" / "results.json").read_text())["sft"]["retail"]["all"]["n"] == 2
     tasks = env.load_tasks(TAU2 / "tasks.json")[:2]
     assert len(srv.bodies) == 4  # one opening line per episode, then the user stopped
     # tau2's own user guidelines (found beside its tasks.json), then each task's own scenario
@@ -148,11 +149,11 @@ def test_evaluate_failing_user_endpoint_mixed(world, tmp_path, fake_server, monk
     srv = fake_server(lambda body: (500, "boom") if bad in body["messages"][0]["content"]
                       else (200, "Thanks, bye. ###STOP###"))
     res = run_main(evaluate, **tau2_args(world, tmp_path, user=srv.url))
-    rows = read_jsonl(tmp_path / "eval" / "sft.jsonl")
+    rows = read_jsonl(tmp_path / "eval" / "sft_retail.jsonl")
     assert len(rows) == 4
     errored = [x for x in rows if x["errored"]]
     assert len(errored) == 2 and all(x["end_reason"] == "user_error" for x in errored)
-    a = res["sft"]["all"]
+    a = res["sft"]["retail"]["all"]
     assert a["errored"] == 2 and a["n"] == 1  # the failing task has no trials left
 
 
@@ -167,10 +168,10 @@ def test_evaluate_failing_user_endpoint_all(world, tmp_path, fake_server, monkey
     assert msg.startswith("evaluate.py: every episode errored (4 of 4), the first because user simulator failed")
     assert "InternalServerError" in msg and "\n" not in msg
     res = json.loads((tmp_path / "eval" / "results.json").read_text())
-    rows = read_jsonl(tmp_path / "eval" / "sft.jsonl")
+    rows = read_jsonl(tmp_path / "eval" / "sft_retail.jsonl")
     assert len(rows) == 4 and all(x["errored"] and x["end_reason"] == "user_error" for x in rows)
     assert all(x["reward"] == 0.0 and x["reward_info"] == {} for x in rows)  # not scored
-    a = res["sft"]["all"]
+    a = res["sft"]["retail"]["all"]
     assert a["errored"] == 4 and a["n"] == 0
     assert a["pass^1"] is None and a["pass^2"] is None  # no trials: nothing to average, not 0
     # how many errored, and why (the user simulator's message, numbers blanked so one cause counts once)
@@ -192,12 +193,14 @@ needs_bfcl = pytest.mark.skipif(importlib.util.find_spec("bfcl_eval") is None,
                                 reason=f"bfcl-eval is not installed ({INSTALL})")
 
 
-KW = dict(max_turns=100, max_len=0, max_new_tokens=0, temperature=0.0, seed=0)  # text-only agents: no tokens
+@pytest.fixture(scope="module")
+def bfcl_world():
+    return evaluate.BFCL(max_turns=100)
 
 
 @pytest.fixture(scope="module")
-def entries():
-    return evaluate.bfcl_entries(evaluate.BFCL_CATEGORIES)
+def entries(bfcl_world):
+    return [t["entry"] for t in bfcl_world.tasks]
 
 
 def gold_call(text, docs):
@@ -213,45 +216,52 @@ class GoldAgent:
     """Answers each user turn with its gold calls as Hermes <tool_call> text (all in one message), then ends the
     turn in words. `drop_last` leaves out the last call of every turn that has calls (a wrong agent)."""
 
-    def __init__(self, world, drop_last=False):
-        self.world, self.drop_last = world, drop_last
-        held = world.entry.get("missed_function", {}).values()
-        self.docs = {d["name"]: d for d in world.entry["function"]} | {d["name"]: d for ds in held for d in ds}
+    def __init__(self, entry, drop_last=False):
+        self.entry, self.drop_last = entry, drop_last
+        held = entry.get("missed_function", {}).values()
+        self.docs = {d["name"]: d for d in entry["function"]} | {d["name"]: d for ds in held for d in ds}
 
     def act(self, messages):
-        calls = self.world.entry["ground_truth"][self.world.user.turn]
+        turn = sum(m["role"] == "user" for m in messages) - 1  # the user's turns so far: this is the last one's
+        calls = self.entry["ground_truth"][turn]
         if messages[-1]["role"] != "user" or not calls:
             return "Done."
         calls = calls[:-1] if self.drop_last else calls
         return "".join(f"<tool_call>{json.dumps(gold_call(c, self.docs))}</tool_call>" for c in calls) or "Done."
 
 
-def play_gold(entries, run_name, drop_last=False):
-    eps, worlds = evaluate.bfcl_play(None, None, entries, run_name=run_name, batch=1000,
-                                     make_agent=lambda t, s: GoldAgent(t["world"], drop_last), **KW)
-    return eps, worlds, evaluate.bfcl_score(eps, worlds, run_name)
+def play_bfcl(world, entries, run_name, make_agent):
+    """Every entry once through run_episodes on the BFCL world, each scored by bfcl-eval's checker. -> episodes."""
+    world.begin(run_name)
+    tasks = [{"id": e["id"], "kind": e["category"], "entry": e} for e in entries]
+    return util.scored(world, rollout.run_episodes(rollout.TextAgents(make_agent), world, tasks), tasks)
+
+
+def play_gold(world, entries, run_name, drop_last=False):
+    eps = play_bfcl(world, entries, run_name, lambda t, s: GoldAgent(t["entry"], drop_last))
+    return eps, [ep.reward_info for ep in eps]
 
 
 @needs_bfcl
-def test_gold_answers_pass_every_entry(entries):
+def test_gold_answers_pass_every_entry(bfcl_world, entries):
     """The gold calls of all 800 entries, played through our adapter (parsed as our tool calls, executed as call
     strings built from them, read back from the transcript), pass bfcl-eval's checker: 200/200 per category."""
-    eps, worlds, rows = play_gold(entries, "gold")
-    summary = evaluate.bfcl_summary(eps, rows, evaluate.BFCL_CATEGORIES)
+    eps, rows = play_gold(bfcl_world, entries, "gold")
+    summary = bfcl_world.summary(eps)
     failed = [(ep.task_id, r["error_type"], r["error_message"]) for ep, r in zip(eps, rows) if not r["valid"]]
     assert failed == []
     assert all(summary[c] == {"n": 200, "correct": 200, "accuracy": 1.0} for c in evaluate.BFCL_CATEGORIES)
     assert summary["overall"]["accuracy"] == 1.0
     assert sum(ep.tool_errors for ep in eps) == 0 and all(ep.end_reason == "user_stop" for ep in eps)
     # the checker got BFCL's format: per turn, per step, call strings; here one step per turn with gold calls
-    for ep, w, r in zip(eps[:50], worlds, rows):
-        assert [len(steps) for steps in r["decoded"]] == [int(bool(g)) for g in w.entry["ground_truth"]]
+    for ep, r in zip(eps[:50], rows):
+        assert [len(steps) for steps in r["decoded"]] == [int(bool(g)) for g in ep.state.entry["ground_truth"]]
 
 
 @needs_bfcl
-def test_wrong_calls_fail_the_checker(entries):
+def test_wrong_calls_fail_the_checker(bfcl_world, entries):
     """A control: the same gold agent leaving out the last call of every turn fails (almost) every entry."""
-    eps, _, rows = play_gold(entries[:20], "gold_short", drop_last=True)
+    eps, rows = play_gold(bfcl_world, entries[:20], "gold_short", drop_last=True)
     assert sum(r["valid"] for r in rows) <= 2
     assert {r["error_type"] for r in rows if not r["valid"]} <= {"multi_turn:instance_state_mismatch",
                                                                  "multi_turn:execution_response_mismatch",
@@ -259,11 +269,11 @@ def test_wrong_calls_fail_the_checker(entries):
 
 
 @needs_bfcl
-def test_replaying_again_starts_from_the_initial_state(entries):
+def test_replaying_again_starts_from_the_initial_state(bfcl_world, entries):
     """bfcl-eval caches backend instances by model name and entry id; a second run under the same name must not
     see the first run's files, orders or cars."""
     for _ in range(2):
-        _, _, rows = play_gold(entries[:10], "again")
+        _, rows = play_gold(bfcl_world, entries[:10], "again")
         assert all(r["valid"] for r in rows)
 
 
@@ -278,7 +288,7 @@ class ScriptAgent:
 
 
 @needs_bfcl
-def test_bad_calls_become_error_results(entries):
+def test_bad_calls_become_error_results(bfcl_world, entries):
     """An unknown function, a bad argument name, non-object arguments, broken JSON, and a call that fails inside
     the backend each get an error result, and the episode goes on; only calls that ran reach the checker."""
     e = next(x for x in entries if x["involved_classes"] == ["GorillaFileSystem"])
@@ -286,9 +296,7 @@ def test_bad_calls_become_error_results(entries):
     texts = [call("rm_rf", {}) + call("__import__", {"name": "os"}), call("cd", {"folder name": "x"}),
              call("cd", {"class": "x"}), call("cd", ["x"]), "<tool_call>{not json</tool_call>",
              call("cd", {"folder": "no_such_dir"}), call("cd", {"nope": 1}), call("ls", {})]
-    eps, worlds = evaluate.bfcl_play(None, None, [e], run_name="bad", batch=1,
-                                     make_agent=lambda t, s: ScriptAgent(texts), **KW)
-    ep = eps[0]
+    ep, = play_bfcl(bfcl_world, [e], "bad", lambda t, s: ScriptAgent(texts))
     results = [m["content"] for m in ep.messages if m["role"] == "tool"]
     assert len(results) == 9 and ep.end_reason == "user_stop"
     assert results[0].startswith("Error: unknown function 'rm_rf'") and "unknown function '__import__'" in results[1]
@@ -299,7 +307,7 @@ def test_bad_calls_become_error_results(entries):
     assert "current_directory_content" in results[8]
     assert ep.tool_errors == 7
     # only the calls that ran are the model's result, one step per message, in the first turn
-    decoded = evaluate.bfcl_score(eps, worlds, "bad")[0]["decoded"]
+    decoded = ep.reward_info["decoded"]
     assert decoded[0] == [["cd(folder='no_such_dir')"], ["cd(nope=1)"], ["ls()"]]
 
 
@@ -328,13 +336,13 @@ def test_tool_schemas_use_json_schema_types(entries):
             return {v for k, v in node.items() if k == "type" and isinstance(v, str)} | {
                 t for v in node.values() for t in types(v)}
         return {t for v in node for t in types(v)} if isinstance(node, list) else set()
-    world = evaluate.BFCLWorld(entries[0], "schema")
+    world = evaluate.BFCLState(entries[0], "schema")
     tool = world.shown[0]
     assert set(tool) == {"type", "function"} and tool["type"] == "function"
     assert set(tool["function"]) == {"name", "description", "parameters"}  # BFCL's "response" left out
     assert tool["function"]["parameters"]["type"] == "object"
     for e in entries[::50] + [x for x in entries if x.get("missed_function")][:5]:
-        w = evaluate.BFCLWorld(e, "schema")
+        w = evaluate.BFCLState(e, "schema")
         assert types([t["function"]["parameters"] for t in w.shown + [s for ss in w.held.values() for s in ss]]) \
             <= json_types
 
@@ -347,12 +355,12 @@ def test_miss_func_turn_brings_the_held_out_docs(entries):
     e = next(x for x in entries if x.get("missed_function"))
     turn = int(next(iter(e["missed_function"])))
     held = [d["name"] for d in e["missed_function"][str(turn)]]
-    local = evaluate.BFCLWorld(e, "held")
+    local = evaluate.BFCLState(e, "held")
     text = local.user_turns()[turn]
     assert text.endswith(prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC) and all(n in text for n in held)
     local.user.turn = turn
     assert [t["function"]["name"] for t in local.tools()] == [t["function"]["name"] for t in local.shown]
-    fc = evaluate.BFCLWorld(e, "held", fc=True)
+    fc = evaluate.BFCLState(e, "held", fc=True)
     assert fc.user_turns()[turn] == prompts.DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
     fc.user.turn = turn - 1
     assert not set(held) & {t["function"]["name"] for t in fc.tools()}
@@ -365,9 +373,9 @@ def bfcl_ckpt(tmp_path_factory, entries):
     """A tiny random model whose tokenizer has seen a few BFCL turns with tool calls."""
     convs = []
     for e in entries[::100]:
-        w = evaluate.BFCLWorld(e, "tiny")
-        agent = GoldAgent(w)
-        msgs = [{"role": "user", "content": w.user_turns()[0]}, rollout.parse_assistant(agent.act(
+        w = evaluate.BFCLState(e, "tiny")
+        agent = GoldAgent(w.entry)
+        msgs = [{"role": "user", "content": w.user_turns()[0]}, env.parse_assistant(agent.act(
             [{"role": "user", "content": ""}])), {"role": "tool", "content": "{}"},
             {"role": "assistant", "content": "Done."}]
         convs.append({"messages": msgs, "tools": w.shown})
@@ -400,15 +408,17 @@ def test_tiny_model_plays_every_category(bfcl_ckpt, tmp_path, monkeypatch, capsy
     res = evaluate.main(["--bench", "bfcl", "--models", f"tiny={bfcl_ckpt}", "--n", "2", "--max-new-tokens", "12",
                          "--max-turns", "24", "--max-len", "3000", "--temperature", "1.0", "--out", str(out)])
     cats = evaluate.BFCL_CATEGORIES
-    assert set(res["tiny"]) == set(cats) | {"overall"}
-    assert all(res["tiny"][c]["n"] == 2 and 0.0 <= res["tiny"][c]["accuracy"] <= 1.0 for c in cats)
-    rows = util.read_jsonl(out / "tiny.jsonl")
+    figures = res["tiny"]["bfcl"]["figures"]
+    assert set(figures) == set(cats) | {"overall"}
+    assert all(figures[c]["n"] == 2 and 0.0 <= figures[c]["accuracy"] <= 1.0 for c in cats)
+    rows = util.read_jsonl(out / "tiny_bfcl.jsonl")
     assert [r["kind"] for r in rows] == [c for c in cats for _ in range(2)]
-    assert all(set(r["bfcl"]) == {"valid", "error_type", "error_message", "decoded"} for r in rows)
+    assert all(set(r["reward_info"]) == {"valid", "error_type", "error_message", "decoded"} for r in rows)
     assert all("ids" not in r and r["messages"][0]["role"] == "user" for r in rows)  # no system prompt, as BFCL
     assert sum(r["end_reason"] == "user_stop" for r in rows) >= 4  # most episodes reach their last turn
     table = (out / "results.md").read_text().strip()
-    assert table.splitlines()[0] == "| model | overall | base | miss_func | miss_param | long_context |"
+    assert table.splitlines()[0] == "| model | world | tasks | pass^1 [95% CI] | figures |"
+    assert all(f"multi_turn_{c}" in table for c in ("base", "miss_func", "miss_param", "long_context"))
     assert table in capsys.readouterr().out
     assert json.loads((out / "results.json").read_text()) == res
 
@@ -442,8 +452,8 @@ def test_endpoint_agent_gets_tools_and_held_out_ones_at_their_turn(tmp_path, ent
         names = {tool["function"]["name"] for tool in body["tools"]}
         assert bool(held & names) == (t >= turn), t
         assert "system" not in {m["role"] for m in body["messages"]}
-    assert res["remote"]["multi_turn_miss_func"]["n"] == 1
-    assert util.read_jsonl(tmp_path / "remote.jsonl")[0]["agent_error"] is None
+    assert res["remote"]["bfcl"]["figures"]["multi_turn_miss_func"]["n"] == 1
+    assert util.read_jsonl(tmp_path / "remote_bfcl.jsonl")[0]["error"] == ""
 
 
 def test_unknown_category_lists_the_valid_ones(tmp_path):
@@ -470,23 +480,29 @@ needs_tau2 = pytest.mark.skipif(not (TAU2 / "tasks.json").is_file() or not (TAU2
                                 reason=f"tau2 retail data absent ({TAU2})")
 
 
+def shop_prompt(policy_file=None, tasks=None):
+    """The system prompt of the shop world evaluate.py and grpo.py build from --policy-file and --tasks."""
+    empty = {"products": {}, "users": {}, "orders": {}}
+    return env.Shop(empty, policy=env.policy_text(policy_file, tasks)).system_prompt
+
+
 def test_system_prompt_without_a_policy_is_the_shops(tmp_path):
-    assert rollout.agent_system_prompt() == rollout.SYSTEM_PROMPT
-    assert rollout.agent_system_prompt(None, str(tmp_path / "tasks.jsonl")) == rollout.SYSTEM_PROMPT  # none beside
+    assert shop_prompt() == env.SYSTEM_PROMPT
+    assert shop_prompt(None, str(tmp_path / "tasks.jsonl")) == env.SYSTEM_PROMPT  # none beside
     (tmp_path / "rules.md").write_text("Never refund gift cards.\n")
-    prompt = rollout.agent_system_prompt(str(tmp_path / "rules.md"))
+    prompt = shop_prompt(str(tmp_path / "rules.md"))
     assert "<policy>\nNever refund gift cards.\n</policy>" in prompt
-    assert rollout.agent_system_prompt("none", str(tmp_path / "tasks.jsonl")) == rollout.SYSTEM_PROMPT
+    assert shop_prompt("none", str(tmp_path / "tasks.jsonl")) == env.SYSTEM_PROMPT
     with pytest.raises(FileNotFoundError, match="policy file"):
-        rollout.agent_system_prompt(str(tmp_path / "missing.md"))
+        shop_prompt(str(tmp_path / "missing.md"))
 
 
 @needs_tau2
 def test_policy_beside_tau2_tasks():
     assert env.policy_beside(str(TAU2 / "tasks.json")) == str((TAU2 / "policy.md").resolve())
-    prompt = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json"))
+    prompt = shop_prompt(None, str(TAU2 / "tasks.json"))
     assert (TAU2 / "policy.md").read_text().strip() in prompt
-    assert rollout.agent_system_prompt("none", str(TAU2 / "tasks.json")) == rollout.SYSTEM_PROMPT
+    assert shop_prompt("none", str(TAU2 / "tasks.json")) == env.SYSTEM_PROMPT
 
 
 @needs_tau2
@@ -494,9 +510,9 @@ def test_evaluate_tau2_gives_the_agent_the_policy(policy_ckpt, user_server, tmp_
     evaluate.main(["--models", f"tiny={policy_ckpt}", "--tasks", str(TAU2 / "tasks.json"), "--db", str(TAU2 / "db.json"),
                    "--n-tasks", "1", "--k", "1", "--max-turns", "1", "--max-new-tokens", "4", "--max-len", "8192",
                    "--user", user_server.url, "--out", str(tmp_path)])
-    ep = util.read_jsonl(tmp_path / "tiny.jsonl")[0]
+    ep = util.read_jsonl(tmp_path / "tiny_retail.jsonl")[0]
     policy = (TAU2 / "policy.md").read_text().strip()
-    prompt = rollout.agent_system_prompt(None, str(TAU2 / "tasks.json"))
+    prompt = shop_prompt(None, str(TAU2 / "tasks.json"))
     assert ep["messages"][0] == {"role": "system", "content": prompt}
     assert policy in ep["messages"][0]["content"] and ep["turns"] == 1  # the agent played with it
 
@@ -547,11 +563,11 @@ def test_demo_path_from_the_committed_base(tmp_path):
     assert [r["step"] for r in read_jsonl(out / "grpo" / "metrics.jsonl")] == [1, 2]
     res = evaluate.main(["--models", f"base={rollout.TINY_BASE}", f"sft={out / 'sft'}", f"grpo={out / 'grpo'}",
                          "--data-dir", str(data), "--k", "1", "--out", str(out / "eval")])
-    assert all(r["all"]["n"] == 60 and r["all"]["errored"] == 0 for r in res.values())
-    assert res["base"]["all"]["pass^1"] == 0.0 and res["grpo"]["all"]["pass^1"] is not None
+    assert all(r["shop"]["all"]["n"] == 60 and r["shop"]["all"]["errored"] == 0 for r in res.values())
+    assert res["base"]["shop"]["all"]["pass^1"] == 0.0 and res["grpo"]["shop"]["all"]["pass^1"] is not None
 
     def valid_calls(name):  # tool calls that ran without an error, per episode
-        eps = read_jsonl(out / "eval" / f"{name}.jsonl")
+        eps = read_jsonl(out / "eval" / f"{name}_shop.jsonl")
         return sum(e["tool_calls"] - e["tool_errors"] for e in eps) / len(eps)
     assert valid_calls("base") == 0.0 and valid_calls("sft") >= 1.5
 
@@ -576,7 +592,7 @@ def test_bfcl_run_whose_every_endpoint_failed_exits_nonzero(tmp_path, monkeypatc
                        "--out", str(tmp_path)])
     assert str(e.value.code).startswith("evaluate.py: every entry's agent endpoint failed (2 of 2), the first "
                                         "because dead endpoint;"), e.value.code
-    assert [r["agent_error"] for r in util.read_jsonl(tmp_path / "remote.jsonl")] == ["dead endpoint"] * 2
+    assert [r["error"] for r in util.read_jsonl(tmp_path / "remote_bfcl.jsonl")] == ["dead endpoint"] * 2
 
 
 def test_vllm_evaluates_models_one_engine_at_a_time(world, fake_vllm, monkeypatch, tmp_path):
@@ -592,4 +608,4 @@ def test_vllm_evaluates_models_one_engine_at_a_time(world, fake_vllm, monkeypatc
     assert util.FakeLLM.events == [("start", ckpt), ("shutdown", ckpt)] * 2
     for kw in util.FakeLLM.made:
         assert kw["enable_sleep_mode"] is False and kw["max_model_len"] == 724 and kw["seed"] == 5
-    assert (tmp_path / "eval" / "a.jsonl").is_file() and (tmp_path / "eval" / "b.jsonl").is_file()
+    assert (tmp_path / "eval" / "a_shop.jsonl").is_file() and (tmp_path / "eval" / "b_shop.jsonl").is_file()

@@ -95,17 +95,21 @@ class CaptureOpt:
 
 
 def _args(**kw):
-    """update()'s settings: one optimizer step over the whole batch, no clipping of the gradient norm."""
+    """ppo()'s settings: one optimizer step over the whole batch, no clipping of the gradient norm."""
     base = dict(ppo_epochs=1, mini_batches=1, micro_batch=8, temperature=1.0, clip=0.2, beta=0.0,
                 grad_clip=1e9, seed=0)
     return {**base, **kw}
 
 
-def _step_kw(*, group, batch_tasks, max_turns, max_len, max_new_tokens):
-    """grpo_step's settings for one process, sampling at temperature 1."""
-    return dict(rank=0, world=1, device="cpu", seed=0, batch_tasks=batch_tasks, group=group, drop_zero_spread=False,
-                mean_only=False, update_kw=_args(), episode_kw=dict(
-                    max_turns=max_turns, max_len=max_len, max_new_tokens=max_new_tokens, temperature=1.0))
+def _step_kw(*, group, batch_tasks):
+    """grpo_step's settings for one process, trained on the database check."""
+    return dict(ranks=rollout.Ranks(), seed=0, batch_tasks=batch_tasks, group=group, reward_basis="db",
+                drop_zero_spread=False, mean_only=False, update_kw=_args())
+
+
+def _agent(gen, tok, *, max_len, max_new_tokens):
+    """The policy as run_episodes' agent, sampling at temperature 1."""
+    return rollout.TokenAgent(gen, tok, max_new_tokens=max_new_tokens, temperature=1.0, max_len=max_len)
 
 
 def test_token_level_normalisation_across_micro_batches(tiny):
@@ -115,7 +119,7 @@ def test_token_level_normalisation_across_micro_batches(tiny):
     grads = []
     for mb in (1, 4):
         opt = CaptureOpt(model)
-        grpo.update(model, None, opt, eps, advs, **_args(micro_batch=mb), device="cpu", world=1)
+        grpo.ppo(model, None, opt, eps, advs, **_args(micro_batch=mb), ranks=rollout.Ranks(0, 1))
         grads.append(opt.grads[0])
     assert torch.allclose(grads[0], grads[1], atol=1e-6)  # the same global token mean however it is split
     # ... and it is the mean over all policy tokens, not a mean of per-episode means
@@ -149,11 +153,12 @@ def test_zero_advantage_episodes_skipped_with_the_same_gradient(tiny, monkeypatc
     seen, real = [], grpo.forward_logprobs
     monkeypatch.setattr(grpo, "forward_logprobs", lambda mdl, i, *a: seen.append(i.shape[0]) or real(mdl, i, *a))
     opt = CaptureOpt(model)
-    grpo.update(model, None, opt, eps, advs, **_args(micro_batch=2), device="cpu", world=1)
+    grpo.ppo(model, None, opt, eps, advs, **_args(micro_batch=2), ranks=rollout.Ranks(0, 1))
     assert sum(seen) == 3  # only the three episodes with a nonzero advantage ran
     assert torch.allclose(opt.grads[0], full, atol=1e-6) and full.abs().max() > 0
     seen.clear()
-    grpo.update(model, copy.deepcopy(model), CaptureOpt(model), eps, advs, **_args(beta=0.1), device="cpu", world=1)
+    grpo.ppo(model, copy.deepcopy(model), CaptureOpt(model), eps, advs, **_args(beta=0.1),
+             ranks=rollout.Ranks(0, 1))
     assert sum(seen) == 2 * 6  # with a KL term every episode has a gradient: all run (policy and reference)
 
 
@@ -182,7 +187,7 @@ def test_equal_rewards_give_no_policy_gradient(tiny):
     advs = grpo.group_advantages([1.0, 1.0, 0.0, 0.0], group=2)
     assert advs.abs().sum() == 0
     opt = CaptureOpt(model)
-    grpo.update(model, None, opt, eps, advs, **_args(), device="cpu", world=1)
+    grpo.ppo(model, None, opt, eps, advs, **_args(), ranks=rollout.Ranks(0, 1))
     assert opt.grads[0].abs().max() == 0
 
 
@@ -192,9 +197,9 @@ def test_all_equal_rewards_skip_the_update(tiny, monkeypatch):
     db, task, oid = _easy_world()
     monkeypatch.setattr(grpo, "update", lambda *a, **k: pytest.fail("update ran on an all-zero-advantage batch"))
     before = [p.detach().clone() for p in model.parameters()]
-    kw = _step_kw(group=2, batch_tasks=2, max_turns=1, max_len=256, max_new_tokens=8)
-    rec = grpo.grpo_step(model, None, None, rollout.HFGenerator(model, tok), tok, [task], db,
-                         lambda t, s: OneLineUser(oid), step=0, **kw)
+    agent = _agent(rollout.HFGenerator(model, tok), tok, max_len=256, max_new_tokens=8)
+    world = util.shop(db, user=lambda t, s: OneLineUser(oid), max_turns=1)
+    rec = grpo.grpo_step(model, None, None, agent, world, [task], step=0, **_step_kw(group=2, batch_tasks=2))
     assert rec["update_skipped"] == 1 and rec["zero_spread_frac"] == 1.0 and rec["reward_mean"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -223,8 +228,9 @@ class OneLineUser:
 
 
 def _success(gen, tok, db, task, oid, n, seed):
-    eps = rollout.run_episodes(gen, tok, [task] * n, db, lambda t, s: OneLineUser(oid), max_turns=2,
-                               max_new_tokens=80, temperature=1.0, seed=seed)
+    world = util.shop(db, user=lambda t, s: OneLineUser(oid), max_turns=2)
+    agent = rollout.TokenAgent(gen, tok, max_new_tokens=80, temperature=1.0)
+    eps = util.scored(world, rollout.run_episodes(agent, world, [task] * n, seed=seed), [task] * n)
     return sum(e.reward for e in eps) / n
 
 
@@ -235,9 +241,9 @@ def test_short_grpo_run_learns_easy_task():
     db, task, oid = _easy_world()
     convs = []
     for reason in ["no longer needed", "ordered by mistake"] * 8:
-        call = rollout.parse_assistant(f'<tool_call>{{"name": "cancel_pending_order", "arguments": '
+        call = env.parse_assistant(f'<tool_call>{{"name": "cancel_pending_order", "arguments": '
                                        f'{{"order_id": "{oid}", "reason": "{reason}"}}}}</tool_call>')
-        convs.append({"messages": [{"role": "system", "content": rollout.SYSTEM_PROMPT},
+        convs.append({"messages": [{"role": "system", "content": env.SYSTEM_PROMPT},
                                    {"role": "user", "content": f"Cancel order {oid} please."}, call,
                                    {"role": "tool", "name": "cancel_pending_order", "content": "done"},
                                    {"role": "assistant", "content": "Cancelled."}]})
@@ -253,13 +259,15 @@ def test_short_grpo_run_learns_easy_task():
     gen = rollout.HFGenerator(model, tok)
     before = _success(gen, tok, db, task, oid, 48, seed=1)
     assert 0.15 < before < 0.85, f"the SFT start should succeed sometimes, got {before}"
-    kw = _step_kw(group=8, batch_tasks=4, max_turns=2, max_len=512, max_new_tokens=80)
+    kw = _step_kw(group=8, batch_tasks=4)
+    agent = _agent(gen, tok, max_len=512, max_new_tokens=80)
+    world = util.shop(db, user=lambda t, s: OneLineUser(oid), max_turns=2)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4)  # ~6x below the SFT rate: RL steps are noisy
     # measured with the compact tiny tokenizer: 0.62 -> 0.73 after 15 steps, 0.88 after 25 (with the older,
     # word-splitting one: 0.48 -> 0.65 after 15). Seeded, one thread: deterministic here. No change would have to
     # beat 1.5 standard errors (~0.1 for a difference of two 48-trial rates) to pass the 0.15 bar
     for step in range(25):
-        rec = grpo.grpo_step(model, None, opt, gen, tok, [task], db, lambda t, s: OneLineUser(oid), step=step, **kw)
+        rec = grpo.grpo_step(model, None, opt, agent, world, [task], step=step, **kw)
         assert 0.0 <= rec["zero_spread_frac"] <= 1.0 and rec["tokens_generated"] > 0
         assert rec["update_skipped"] == int(rec["zero_spread_frac"] == 1.0)
     after = _success(gen, tok, db, task, oid, 48, seed=2)
@@ -278,9 +286,9 @@ def _train_reward(model, tok, tasks, shop, *, seed, n=16):
     """The mean task reward (database and communicated info: what evaluate.py scores and the demo trains on) of
     n sampled episodes per task at GRPO's temperature, 1. Called with the same seed before and after training:
     the same users and the same sampling noise, so the difference is the policy's (and 0 if it did not move)."""
-    eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, [t for t in tasks for _ in range(n)], shop,
-                               rollout.make_user_factory(), max_turns=16, max_len=1024, max_new_tokens=64,
-                               temperature=1.0, seed=seed, check_communicate=True)
+    world, played = env.Shop(shop, max_turns=16), [t for t in tasks for _ in range(n)]
+    agent = _agent(rollout.HFGenerator(model, tok), tok, max_len=1024, max_new_tokens=64)
+    eps = util.scored(world, rollout.run_episodes(agent, world, played, seed=seed), played, "task")
     return sum(e.reward for e in eps) / len(eps)
 
 
@@ -294,16 +302,14 @@ def grpo_learning_curve(shop, train, *, seed, arm="grpo", steps=15, lr=1e-4):
     model, tok = rollout.load_model(TINY_SFT)
     before = _train_reward(model, tok, tasks, shop, seed=10_000 + seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
-    kw = dict(rank=0, world=1, device="cpu", seed=seed, batch_tasks=4, group=8, drop_zero_spread=False,
-              mean_only=False, update_kw=_args(grad_clip=1.0),
-              episode_kw=dict(max_turns=16, max_len=1024, max_new_tokens=64, temperature=1.0,
-                              check_communicate=True))
+    kw = dict(ranks=rollout.Ranks(), seed=seed, batch_tasks=4, group=8, reward_basis="task", drop_zero_spread=False,
+              mean_only=False, update_kw=_args(grad_clip=1.0))
     zero_reward = lambda *a, **k: env.RewardInfo(reward=0.0, db_match=False, communicate_ok=False, failed="db")
     flipped = lambda *a, **k: -ADVANTAGES(*a, **k)
     with mock.patch.object(env, "compute_reward", zero_reward) if arm == "blank" else mock.patch.object(
             grpo, "group_advantages", flipped) if arm == "flip" else contextlib.nullcontext():
-        gen = rollout.HFGenerator(model, tok)
-        recs = [grpo.grpo_step(model, None, opt, gen, tok, tasks, shop, rollout.make_user_factory(), step=s, **kw)
+        agent = _agent(rollout.HFGenerator(model, tok), tok, max_len=1024, max_new_tokens=64)
+        recs = [grpo.grpo_step(model, None, opt, agent, env.Shop(shop, max_turns=16), tasks, step=s, **kw)
                 for s in range(steps)]
     return before, _train_reward(model, tok, tasks, shop, seed=10_000 + seed), recs
 
@@ -341,7 +347,7 @@ def _ddp_rank(rank, world, port, model, eps, advs, out):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = CaptureOpt(model)
     mine = slice(rank * 2, rank * 2 + 2)
-    grpo.update(ddp, None, opt, eps[mine], advs[mine], **_args(micro_batch=1), device="cpu", world=world)
+    grpo.ppo(ddp, None, opt, eps[mine], advs[mine], **_args(micro_batch=1), ranks=rollout.Ranks(0, world))
     if rank == 0:
         torch.save(opt.grads[0], out)
     torch.distributed.destroy_process_group()
@@ -353,7 +359,7 @@ def test_ddp_rank_with_only_zero_advantages_joins_the_all_reduce(tiny, tmp_path)
     eps = [_episode(tok, [0] * 3 + [1] * n + [0] * 2, s) for s, n in enumerate([2, 7, 4, 1])]
     advs = torch.tensor([1.0, -0.5, 0.0, 0.0])  # rank 0: two chunks of work, rank 1: none (two dummies)
     opt = CaptureOpt(model)
-    grpo.update(model, None, opt, eps, advs, **_args(micro_batch=1), device="cpu", world=1)
+    grpo.ppo(model, None, opt, eps, advs, **_args(micro_batch=1), ranks=rollout.Ranks(0, 1))
     port = 29500 + random.Random().randrange(2000)
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, model, eps, advs, tmp_path / "g.pt"),
@@ -488,7 +494,7 @@ def test_reference_model_only_with_beta(world, tmp_path, monkeypatch, beta):
 
     monkeypatch.setattr(grpo, "copy", SimpleNamespace(deepcopy=counting_deepcopy))  # grpo's namespace only
     monkeypatch.setattr(grpo, "forward_logprobs", recording_fwd)
-    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))  # so that the update runs
+    spread_rewards(monkeypatch)  # so that the update runs
     run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1, beta=beta))
     rec = read_jsonl(tmp_path / "g" / "metrics.jsonl")[0]
     assert "kl" in rec and rec["kl"] >= 0.0
@@ -499,20 +505,18 @@ def test_reference_model_only_with_beta(world, tmp_path, monkeypatch, beta):
         assert copies == [] and len(models) == 1 and rec["kl"] == 0.0
 
 
-def spread_rewards(real):
-    """run_episodes with rewards overwritten to 1, 0, 1, 0, ...: every group of 2 has a spread, so every step has
-    a gradient (the 3-step SFT model itself solves nothing)."""
+def spread_rewards(monkeypatch):
+    """The shop's score overwritten: rewards 1, 0, 1, 0, ... in the order episodes are scored, so every group of 2
+    has a spread and every step has a gradient (the 3-step SFT model itself solves nothing)."""
+    n = iter(range(10**9))
 
-    def run(*a, **kw):
-        eps = real(*a, **kw)
-        for i, e in enumerate(eps):
-            e.reward = float(i % 2 == 0)
-        return eps
-    return run
+    def score(self, ep, task, basis="task"):
+        ep.reward = float(next(n) % 2 == 0)
+    monkeypatch.setattr(env.Shop, "score", score)
 
 
 def test_reward_spread_moves_the_weights(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    spread_rewards(monkeypatch)
     run_main(grpo, **tiny_grpo(world, tmp_path / "g", steps=1))
     rec = read_jsonl(tmp_path / "g" / "metrics.jsonl")[0]
     assert rec["zero_spread_frac"] == 0.0 and rec["reward_mean"] == 0.5 and rec["grad_norm"] > 0
@@ -522,7 +526,7 @@ def test_reward_spread_moves_the_weights(world, tmp_path, monkeypatch):
 
 
 def test_resume_keeps_the_starting_policy_as_reference(world, tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    spread_rewards(monkeypatch)
     out = tmp_path / "g"
     run_main(grpo, **tiny_grpo(world, out, steps=1, beta=0.001))
     w0, w1 = weights(world.sft), weights(out / "step_000001")
@@ -551,7 +555,7 @@ def fake_run_episodes(calls, errored_in=()):
     """Stands in for run_episodes: task "spread" alternates rewards 1, 0; every other task scores 0. Tasks in
     errored_in get an errored (unscored) first rollout."""
 
-    def run(gen, tok, tasks, db, make_user, **kw):
+    def run(agent, world, tasks, *, seed):
         calls.append([t["id"] for t in tasks])
         eps = []
         for i, t in enumerate(tasks):
@@ -565,9 +569,13 @@ def fake_run_episodes(calls, errored_in=()):
     return run
 
 
+NO_SCORE = SimpleNamespace(score=lambda ep, task, basis: None)  # a world that keeps the faked rewards
+
+
 def collect_args(**kw):
-    """collect()'s settings (run_episodes' are never read: it is faked)."""
-    return {**dict(seed=0, batch_tasks=4, group=2, drop_zero_spread=False, episode_kw={}), **kw}
+    """collect()'s settings (the agent and the world are never read: run_episodes is faked)."""
+    return {**dict(seed=0, batch_tasks=4, group=2, drop_zero_spread=False, reward_basis="task",
+                   ranks=rollout.Ranks()), **kw}
 
 
 def groups(eps, g):
@@ -578,7 +586,7 @@ def test_collect_without_drop_keeps_every_group(monkeypatch):
     calls = []
     monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls))
     tasks = [{"id": n} for n in ("spread", "a", "b", "c")]
-    kept, zero, played, _ = grpo.collect(None, None, tasks, {}, None, **collect_args(), step=0, rank=0, world=1)
+    kept, zero, played, _ = grpo.collect(None, NO_SCORE, tasks, **collect_args(), step=0)
     assert len(calls) == 1 and played == 4 and len(kept) == 8
     gs = groups(kept, 2)
     assert all(len({e.task_id for e in g}) == 1 for g in gs)  # group order: G rollouts of one task together
@@ -589,8 +597,7 @@ def test_collect_drop_zero_spread(monkeypatch):
     calls = []
     monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls))
     tasks = [{"id": n} for n in ("spread", "a", "b", "c")]
-    kept, zero, played, _ = grpo.collect(None, None, tasks, {}, None, **collect_args(drop_zero_spread=True),
-                                      step=0, rank=0, world=1)
+    kept, zero, played, _ = grpo.collect(None, NO_SCORE, tasks, **collect_args(drop_zero_spread=True), step=0)
     assert 1 <= len(calls) <= 4  # the first round and at most 3 extra ones
     assert played == sum(len(c) for c in calls) // 2
     assert all(e.task_id == "spread" for e in kept) and len(kept) <= 8 and len(kept) % 2 == 0
@@ -601,13 +608,13 @@ def test_collect_drop_zero_spread(monkeypatch):
         assert len(cur) == len(prev) - 2 * got
     # with spread everywhere the first round fills the batch
     calls.clear()
-    kept, zero, played, _ = grpo.collect(None, None, [{"id": "spread"}], {}, None,
-                                         **collect_args(drop_zero_spread=True), step=3, rank=0, world=1)
+    kept, zero, played, _ = grpo.collect(None, NO_SCORE, [{"id": "spread"}], **collect_args(drop_zero_spread=True),
+                                         step=3)
     assert len(calls) == 1 and len(kept) == 8 and zero == 0 and played == 4
     # nothing ever has a spread: 4 rounds, nothing kept, every group counted
     calls.clear()
-    kept, zero, played, dropped = grpo.collect(None, None, [{"id": "a"}], {}, None,
-                                               **collect_args(drop_zero_spread=True), step=0, rank=0, world=1)
+    kept, zero, played, dropped = grpo.collect(None, NO_SCORE, [{"id": "a"}], **collect_args(drop_zero_spread=True),
+                                               step=0)
     assert len(calls) == 4 and kept == [] and zero == played == 16 and len(dropped) == 2 * 16
 
 
@@ -630,14 +637,13 @@ def test_collect_draws_by_the_weights(monkeypatch):
     monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls))
     tasks = [{"id": n} for n in ("spread", "a", "b", "c")]
     for step in range(5):
-        grpo.collect(None, None, tasks, {}, None, **collect_args(weights=[1.0, 0.0, 0.0, 0.0]), step=step, rank=0,
-                     world=1)
+        grpo.collect(None, NO_SCORE, tasks, **collect_args(weights=[1.0, 0.0, 0.0, 0.0]), step=step)
     assert {t for c in calls for t in c} == {"spread"}
 
 
 def test_spread_sampling_run_tallies_kinds_and_resumes(world, tmp_path, monkeypatch):
     """The running tally is global per step, saved with each checkpoint and restored on --resume."""
-    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    spread_rewards(monkeypatch)
     run_main(grpo, **tiny_grpo(world, tmp_path / "a", steps=2, task_sampling="spread", save_every=1))
     state = torch.load(tmp_path / "a" / "step_000002" / "train_state.pt", weights_only=False)
     assert float(state["tally"][:, 1].sum()) == 2 * 2 * 2  # steps x tasks x group (tiny_grpo)
@@ -651,9 +657,8 @@ def test_errored_rollout_does_not_make_a_spread(monkeypatch):
     """A group [1, errored] has one real outcome: no spread, so it is dropped."""
     calls = []
     monkeypatch.setattr(grpo, "run_episodes", fake_run_episodes(calls, errored_in={"spread"}))
-    kept, zero, played, dropped = grpo.collect(None, None, [{"id": "spread"}], {}, None,
-                                               **collect_args(drop_zero_spread=True, batch_tasks=1), step=0, rank=0,
-                                               world=1)
+    kept, zero, played, dropped = grpo.collect(None, NO_SCORE, [{"id": "spread"}],
+                                               **collect_args(drop_zero_spread=True, batch_tasks=1), step=0)
     assert kept == [] and zero == played == 4 and sum(e.errored for e in dropped) == 4  # counted in the metrics
 
 
@@ -764,15 +769,13 @@ def errored_eps(rewards, errored, error="user simulator failed after 3 attempt(s
 def test_errored_episode_does_not_make_an_update(monkeypatch):
     monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([1, 1, 0, 1], [0, 0, 1, 0]), 0, 1, []))
     monkeypatch.setattr(grpo, "update", lambda *a, **k: pytest.fail("updated on a group with no spread"))
-    rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
-        group=4, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
+    rec = grpo.grpo_step(None, None, None, None, None, [], step=0, **_step_kw(group=4, batch_tasks=1))
     assert rec["update_skipped"] == 1 and rec["errored"] == 1 and rec["reward_mean"] == 1.0
 
 
 def test_all_errored_step_logs_null_reward(monkeypatch):
     monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([0, 0], [1, 1]), 1, 1, []))
-    rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
-        group=2, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
+    rec = grpo.grpo_step(None, None, None, None, None, [], step=0, **_step_kw(group=2, batch_tasks=1))
     assert rec["reward_mean"] is None and rec["errored"] == rec["episodes"] == 2 and rec["update_skipped"] == 1
     assert rec["errored_reasons"] == {"user simulator failed after N attempt(s): HTTP N from http://u: boom": 2}
     json.dumps(rec)
@@ -835,7 +838,7 @@ def test_all_errored_run_reports_how_many_and_why(world, tmp_path, monkeypatch, 
 def test_resume_of_a_learning_run_matches_the_straight_run(world, tmp_path, monkeypatch):
     """Rewards with a spread, so both steps update: 2 straight steps against 1 step, then --resume to 2. The
     weights, AdamW's state and the seeded rollouts come back, so the weights agree within 1e-6."""
-    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    spread_rewards(monkeypatch)
     run_main(grpo, **tiny_grpo(world, tmp_path / "a", steps=2))
     run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=1))
     run_main(grpo, **tiny_grpo(world, tmp_path / "b", steps=2, resume=True))
@@ -886,8 +889,8 @@ def _fsdp_rank(rank, world, port, model, eps, advs, out):
             m, fsdp=True, world=world, device="cpu", bf16=False, activation_checkpointing=True))
         opt = FullGrads(policy)
         mine = slice(rank * 2, rank * 2 + 2)
-        grpo.update(policy, ref, opt, eps[mine], advs[mine], **_args(micro_batch=1, beta=beta), device="cpu",
-                    world=world)
+        grpo.ppo(policy, ref, opt, eps[mine], advs[mine], **_args(micro_batch=1, beta=beta),
+                 ranks=rollout.Ranks(0, world))
         got[kind, beta] = opt.grads[0]
     if rank == 0:
         torch.save(got, out)
@@ -910,7 +913,7 @@ def test_fsdp_update_matches_one_process(tiny, tmp_path):
     for kind, beta in FSDP_CASES:
         policy, ref = _policy_and_ref(model, kind, beta, lambda m: m)
         opt = FullGrads(policy)
-        grpo.update(policy, ref, opt, eps, advs, **_args(micro_batch=1, beta=beta), device="cpu", world=1)
+        grpo.ppo(policy, ref, opt, eps, advs, **_args(micro_batch=1, beta=beta), ranks=rollout.Ranks(0, 1))
         want[kind, beta] = opt.grads[0]
     port = 29500 + random.Random().randrange(2000)
     ctx = torch.multiprocessing.get_context("spawn")
@@ -939,8 +942,8 @@ def _empty_rank(rank, world, port, model, eps, advs, out):
     policy = rollout.wrap_model(copy.deepcopy(model), fsdp=True, world=world, device="cpu", bf16=False)
     opt = FullGrads(policy)
     mine = slice(0, len(eps)) if rank == 0 else slice(0, 0)
-    grpo.update(policy, None, opt, eps[mine], advs[mine], **_args(micro_batch=1, mini_batches=3), device="cpu",
-                world=world)
+    grpo.ppo(policy, None, opt, eps[mine], advs[mine], **_args(micro_batch=1, mini_batches=3),
+             ranks=rollout.Ranks(0, world))
     if rank == 0:
         torch.save(opt.grads, out)
     torch.distributed.barrier()
@@ -959,7 +962,7 @@ def test_fsdp_update_with_a_rank_holding_no_episodes(tiny, tmp_path):
     advs = torch.tensor([1.0, -1.0])
     policy = copy.deepcopy(model)
     want = FullGrads(policy)
-    grpo.update(policy, None, want, eps, advs, **_args(micro_batch=1, mini_batches=3), device="cpu", world=1)
+    grpo.ppo(policy, None, want, eps, advs, **_args(micro_batch=1, mini_batches=3), ranks=rollout.Ranks(0, 1))
     port = 29500 + random.Random().randrange(2000)
     ctx = torch.multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_empty_rank, args=(r, 2, port, model, eps, advs, tmp_path / "g.pt"), daemon=True)
@@ -983,7 +986,7 @@ def test_lora_grpo_merged_checkpoints_and_exact_resume(world, tmp_path, monkeypa
     """--lora-rank: the reference for the KL term is the policy with its adapters off (no copy of the model);
     checkpoints hold merged weights that load_model reads as a plain model; a resumed run restores the adapter
     and AdamW state from train_state.pt and continues exactly as the uninterrupted run."""
-    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    spread_rewards(monkeypatch)
     monkeypatch.setattr(grpo, "copy", SimpleNamespace(deepcopy=lambda *a: pytest.fail("LoRA copied the model")))
     kw = dict(beta=0.01, lora_rank=4, lr=1e-2, save_every=1)
     policy, tok = run_main(grpo, **tiny_grpo(world, tmp_path / "full", steps=2, **kw))
@@ -1007,7 +1010,7 @@ def test_lora_grpo_merged_checkpoints_and_exact_resume(world, tmp_path, monkeypa
 def test_vllm_sleeps_through_the_update(world, fake_vllm, monkeypatch):
     """grpo_step with the vLLM sampler: the engine sleeps before the update and wakes for the new weights, then
     for its KV cache, then drops its cached prefixes."""
-    monkeypatch.setattr(grpo, "run_episodes", spread_rewards(rollout.run_episodes))
+    spread_rewards(monkeypatch)
     model, tok = rollout.load_model(str(world.sft))
     gen = rollout.VLLMGenerator(str(world.sft), tok, max_model_len=520, sleep=True)
     gen.sleeps = True  # as on CUDA
@@ -1016,8 +1019,9 @@ def test_vllm_sleeps_through_the_update(world, fake_vllm, monkeypatch):
     shop = env.load_db(world.data / "shop.json")
     tasks = env.load_tasks(world.data / "train_tasks.jsonl")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    kw = _step_kw(group=2, batch_tasks=2, max_turns=1, max_len=512, max_new_tokens=8)
-    rec = grpo.grpo_step(model, None, opt, gen, tok, tasks, shop, rollout.make_user_factory(), step=0, **kw)
+    agent = _agent(gen, tok, max_len=512, max_new_tokens=8)
+    rec = grpo.grpo_step(model, None, opt, agent, env.Shop(shop, max_turns=1), tasks, step=0,
+                         **_step_kw(group=2, batch_tasks=2))
     assert rec["update_skipped"] == 0
     assert [c[0] for c in gen.llm.calls] == ["sleep", "update", "wake_up", "reload_weights", "wake_up",
                                              "reset_prefix_cache"]
@@ -1063,8 +1067,7 @@ def test_dropped_groups_count_in_the_step_metrics(monkeypatch):
     episode errored would log 0 errored of 0), and only there."""
     dropped = errored_eps([0, 0, 0, 0], [1, 1, 0, 0])
     monkeypatch.setattr(grpo, "collect", lambda *a, **k: (errored_eps([1, 1], [0, 0]), 2, 3, dropped))
-    rec = grpo.grpo_step(None, None, None, None, None, [], {}, None, step=0, **_step_kw(
-        group=2, batch_tasks=1, max_turns=1, max_len=8, max_new_tokens=1))
+    rec = grpo.grpo_step(None, None, None, None, None, [], step=0, **_step_kw(group=2, batch_tasks=1))
     assert rec["episodes"] == 6 and rec["errored"] == 2 and rec["reward_mean"] == 1.0 and rec["tokens_generated"] == 4
 
 

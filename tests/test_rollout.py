@@ -23,6 +23,7 @@ import sft
 import synth
 from env import LLMUser, start_all
 from rollout import HFChatBackend, OpenAIChatBackend, find_smollm2_gguf, load_smollm2
+import util
 from util import TASK, FakeServer, backend_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,8 +56,7 @@ def tasks(db):
 
 @pytest.fixture(scope="module")
 def oracle_eps(tasks, db):
-    return rollout.run_episodes(None, None, tasks, db, make_user=scripted,
-                                make_agent=lambda t, s: synth.OracleAgent(t, s))
+    return util.play(tasks, db, make_agent=lambda t, s: synth.OracleAgent(t, s))
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +136,8 @@ def play_sampled(model, tok, tasks, db, tools):
         calls.append(([list(p) for p in prompts], outs))
         return outs
     gen.generate = spy
-    eps = rollout.run_episodes(gen, tok, tasks, db, scripted, tools=tools, max_new_tokens=40, max_turns=4,
-                               temperature=1.0)
+    eps = rollout.run_episodes(rollout.TokenAgent(gen, tok, max_new_tokens=40, temperature=1.0),
+                               env.Shop(db, tools=tools, max_turns=4), tasks)
     # each generation belongs to the episode whose final ids continue its prompt with its output
     gens = {id(ep): [] for ep in eps}
     for prompts, outs in calls:
@@ -185,7 +185,7 @@ def test_sampled_episodes_masks_and_logprobs(which, model, tok, tok_pad_eos, tas
             text = decode(tk, ep.ids[start:start + len(new)])
             done = new[-1] == eos
             assert text.endswith(EOT) == done and eos not in new[:-1]
-            assert agent_msgs[k] == rollout.parse_assistant(text[:-len(EOT)] if done else text)
+            assert agent_msgs[k] == env.parse_assistant(text[:-len(EOT)] if done else text)
             if done:
                 completed += 1
                 assert ep.ids[start + len(new) - 1] == eos and ep.loss_mask[start + len(new) - 1] == 1
@@ -253,7 +253,7 @@ def test_encode_conversation_oracle(tok, oracle_eps):
         for (a, b), m in zip(runs, agent):
             text = decode(tok, ids[a:b])
             assert text.endswith(EOT) and text.count(EOT) == 1
-            assert rollout.parse_assistant(text[:-len(EOT)]) == m
+            assert env.parse_assistant(text[:-len(EOT)]) == m
             assert text.startswith(m["content"])
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
         full = rollout.render(tok, msgs[:last + 1], env.TOOL_SCHEMAS)
@@ -291,11 +291,13 @@ def test_encode_conversation_matches_rollout(tok, tasks, db):
                 return raw[k][-1]
         return Rec()
     made = []
-    text_eps = rollout.run_episodes(None, None, tasks, db, make_user=scripted, make_agent=recording)
+    text_eps = util.play(tasks, db, make_agent=recording)
     heads = [rollout.encode(tok, rollout.render(tok, e.messages[:2], env.TOOL_SCHEMAS, add_generation_prompt=True))
              for e in text_eps]
     assert len({tuple(h) for h in heads}) == len(heads)
-    eps = rollout.run_episodes(Replay(tok, heads, raw), tok, tasks, db, make_user=scripted)
+    world = env.Shop(db)
+    eps = rollout.run_episodes(rollout.TokenAgent(Replay(tok, heads, raw), tok), world, tasks)
+    util.scored(world, eps, tasks)
     for te, ep in zip(text_eps, eps):
         assert ep.messages == te.messages and ep.reward == te.reward == 1.0
         ids, mask = rollout.encode_conversation(tok, te.messages, env.TOOL_SCHEMAS)
@@ -332,9 +334,9 @@ def test_bad_calls_become_errors(label, text, db):
     if label == "extra argument":
         text = synth.tool_call_text("get_order_details", order_id=order["order_id"], verbose=True)
     d = copy.deepcopy(db)
-    msg = rollout.parse_assistant("Let me check. " + text)
+    msg = env.parse_assistant("Let me check. " + text)
     assert msg["role"] == "assistant" and msg["content"] == "Let me check." and len(msg["tool_calls"]) == 1
-    out, errors, transferred = rollout.execute_calls(d, msg)
+    out, errors, transferred = execute(d, msg)
     assert len(out) == 1 and errors == 1 and not transferred
     assert out[0]["role"] == "tool" and out[0]["content"].startswith("Error"), out[0]
     assert isinstance(out[0]["name"], str) and out[0]["name"]
@@ -357,8 +359,8 @@ ESCAPING_CALLS = [  # each raised out of parse_assistant or call_tool before: on
 @pytest.mark.parametrize("label,text", ESCAPING_CALLS, ids=[b[0] for b in ESCAPING_CALLS])
 def test_nothing_escapes_parsing_and_execution(label, text, db):
     d = env.canonical_db(db)
-    msg = rollout.parse_assistant("Checking. " + text)
-    out, errors, _ = rollout.execute_calls(d, msg)
+    msg = env.parse_assistant("Checking. " + text)
+    out, errors, _ = execute(d, msg)
     assert len(out) == 1 and errors == 1 and out[0]["content"].startswith("Error"), out
     assert len(out[0]["content"]) < 3000
     json.dumps(msg)  # what is kept in the transcript can still be written out and rendered
@@ -366,11 +368,22 @@ def test_nothing_escapes_parsing_and_execution(label, text, db):
 
 
 def test_a_raising_call_tool_becomes_an_error(db):
-    def broken(_db, name, args):
-        raise ConnectionError("server went away")
-    msg = rollout.parse_assistant(synth.tool_call_text("list_all_product_types"))
-    out, errors, _ = rollout.execute_calls(env.canonical_db(db), msg, broken)
+    class Broken(env.Shop):
+        def call(self, state, name, arguments, side="agent"):
+            raise ConnectionError("server went away")
+    msg = env.parse_assistant(synth.tool_call_text("list_all_product_types"))
+    out, errors, _ = execute(env.canonical_db(db), msg, Broken(db))
     assert errors == 1 and "server went away" in out[0]["content"]
+
+
+def execute(d, msg, world=None):
+    """rollout.execute_calls on one message, on the shop state d: -> (tool messages, errors, whether the world
+    ends the episode as a transfer after them)."""
+    world = world or env.Shop({"products": {}, "users": {}, "orders": {}})
+    results = rollout.execute_calls(world, [(d, msg)])[0]
+    out = world.tool_messages(results)
+    transferred = world.end(rollout.Episode("t", messages=[msg] + out)) == "transfer"
+    return out, sum(is_error for _, _, is_error in results), transferred
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -491,13 +504,13 @@ def test_fuzz_malformed_outputs_never_escape_and_stay_fast(db):
     import time as _time
     rng = _random.Random(1234)
     d = env.canonical_db(db)
-    rollout.execute_calls(d, rollout.parse_assistant(synth.tool_call_text("list_all_product_types")))  # warm-up
+    execute(d, env.parse_assistant(synth.tool_call_text("list_all_product_types")))  # warm-up
     worst, n_calls, n_err, kinds = 0.0, 0, 0, collections.Counter()
 
     def run(text, d):
         t0 = _time.perf_counter()
-        msg = rollout.parse_assistant(text)
-        out, errors, _ = rollout.execute_calls(d, msg)
+        msg = env.parse_assistant(text)
+        out, errors, _ = execute(d, msg)
         return _time.perf_counter() - t0, msg, out, errors
 
     for i in range(FUZZ_N):
@@ -527,19 +540,19 @@ def test_two_calls_execute_in_order(db):
     oid = o["order_id"]
     text = ("First cancel, then look. " + synth.tool_call_text("cancel_pending_order", order_id=oid, reason="no longer needed")
             + "\n" + synth.tool_call_text("get_order_details", order_id=oid))
-    msg = rollout.parse_assistant(text)
+    msg = env.parse_assistant(text)
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["cancel_pending_order", "get_order_details"]
     d = copy.deepcopy(db)
-    out, errors, _ = rollout.execute_calls(d, msg)
+    out, errors, _ = execute(d, msg)
     assert errors == 0 and [m["name"] for m in out] == ["cancel_pending_order", "get_order_details"]
     assert json.loads(out[1]["content"])["status"] == "cancelled"  # the read saw the write: in order
     assert d["orders"][oid]["status"] == "cancelled" and db["orders"][oid]["status"] == "pending"
 
 
 def test_parse_plain_text_and_transfer(db):
-    assert rollout.parse_assistant("  Hello there.  ") == {"role": "assistant", "content": "Hello there."}
-    msg = rollout.parse_assistant(synth.tool_call_text("transfer_to_human_agents", summary="user wants a human"))
-    out, errors, transferred = rollout.execute_calls(copy.deepcopy(db), msg)
+    assert env.parse_assistant("  Hello there.  ") == {"role": "assistant", "content": "Hello there."}
+    msg = env.parse_assistant(synth.tool_call_text("transfer_to_human_agents", summary="user wants a human"))
+    out, errors, transferred = execute(copy.deepcopy(db), msg)
     assert errors == 0 and transferred and msg["content"] == ""
 
 
@@ -555,8 +568,9 @@ class Forced:
         return [(ids, [-0.5] * len(ids))]
 
 
-def play_forced(tok, task, db, texts, **kw):
-    return rollout.run_episodes(Forced(tok, texts), tok, [task], db, scripted, max_turns=len(texts), **kw)
+def play_forced(tok, task, db, texts):
+    return rollout.run_episodes(rollout.TokenAgent(Forced(tok, texts), tok), env.Shop(db, max_turns=len(texts)),
+                                [task])
 
 
 def test_malformed_call_keeps_episode_going(tok, tasks, db):
@@ -592,12 +606,12 @@ def test_episodes_never_share_db(tasks, db, monkeypatch):
     def make(t, s):  # the first episode gets the oracle, the second an agent that does nothing
         made.append(s)
         return synth.OracleAgent(t, s) if len(made) == 1 else Idle()
-    eps = rollout.run_episodes(None, None, [task, task], db, make_user=scripted, make_agent=make)
+    eps = util.play([task, task], db, make_agent=make)
     assert env.db_hash(db) == before and db == snapshot
-    assert eps[0].reward == 1.0 and eps[0].db["orders"][oid]["status"] == "cancelled"
-    assert env.db_hash(eps[0].db) != before
-    assert env.db_hash(eps[1].db) == before and eps[1].reward == 0.0 and eps[1].reward_info["failed"] == "db"
-    assert eps[0].db is not eps[1].db and eps[0].db is not db
+    assert eps[0].reward == 1.0 and eps[0].state["orders"][oid]["status"] == "cancelled"
+    assert env.db_hash(eps[0].state) != before
+    assert env.db_hash(eps[1].state) == before and eps[1].reward == 0.0 and eps[1].reward_info["failed"] == "db"
+    assert eps[0].state is not eps[1].state and eps[0].state is not db
     assert len(replays) == 1  # both episodes play one task: its gold end state is computed once
 
 
@@ -612,9 +626,9 @@ def test_token_episodes_never_share_db(tok, tasks, db):
             texts = [cancel, synth.tool_call_text("get_order_details", order_id=oid)][:len(prompts)]
             ids = [rollout.encode(tok, t + EOT) for t in texts]
             return [(x, [0.0] * len(x)) for x in ids]
-    eps = rollout.run_episodes(TwoWay(), tok, [task, task], db, scripted, max_turns=1)
+    eps = rollout.run_episodes(rollout.TokenAgent(TwoWay(), tok), env.Shop(db, max_turns=1), [task, task])
     assert env.db_hash(db) == before
-    assert eps[0].db["orders"][oid]["status"] == "cancelled" and env.db_hash(eps[1].db) == before
+    assert eps[0].state["orders"][oid]["status"] == "cancelled" and env.db_hash(eps[1].state) == before
 
 
 def test_template_diff(tok, oracle_eps):
@@ -679,12 +693,18 @@ def check_tokens_in_tokens_out(tk, messages, tools):
     ids, mask = rollout.encode_conversation(tk, messages, tools)
     r = Replayer(tk, messages, tools)
     n_agent = len(r.agent)
-    ep, = rollout.run_episodes(r, tk, [{"id": "replay"}], {"products": {}, "users": {}, "orders": {}},
-                               lambda t, s: r, tools=tools, system_prompt=messages[0]["content"],
-                               call_tool=r.call_tool, max_turns=n_agent, max_len=10**6, score=False)
+    class ReplayWorld(env.Shop):  # the conversation's own system prompt and tool results, r as its user
+        def opening(self, task, state):
+            return [{"role": "system", "content": messages[0]["content"]}]
+
+        def call(self, state, name, arguments, side="agent"):
+            return r.call_tool(state, name, arguments)
+    world = ReplayWorld({"products": {}, "users": {}, "orders": {}}, tools=tools, max_turns=n_agent)
+    world.own_user = lambda task, state, seed: r
+    ep, = rollout.run_episodes(rollout.TokenAgent(r, tk, max_len=10**6), world, [{"id": "replay"}])
     assert ep.ids == ids and ep.loss_mask == mask
     assert [m for m in ep.messages if m["role"] == "assistant"] == [
-        rollout.parse_assistant(m_text[:-len(EOT)]) for m_text in
+        env.parse_assistant(m_text[:-len(EOT)]) for m_text in
         [rollout.agent_text(tk, m, tools) for m in messages if m["role"] == "assistant"]]
     runs = mask_runs(mask)
     at = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -702,17 +722,17 @@ def qwen3_conversation(thinking):
     tool results, a call right after tool results, plain replies."""
     think = "<think>\nThe user wants order #W1. I look it up, and the user too.\n</think>\n\n" if thinking else ""
     call = lambda name, **a: '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (name, json.dumps(a))
-    return [{"role": "system", "content": rollout.SYSTEM_PROMPT},
+    return [{"role": "system", "content": env.SYSTEM_PROMPT},
             {"role": "user", "content": "Hi, where is my order #W1?"},
-            rollout.parse_assistant(think + "Let me check." + call("get_order_details", order_id="#W1")
+            env.parse_assistant(think + "Let me check." + call("get_order_details", order_id="#W1")
                                     + call("get_user_details", user_id="ann_lee_1")),
             {"role": "tool", "name": "get_order_details", "content": '{"order_id": "#W1", "status": "pending"}'},
             {"role": "tool", "name": "get_user_details", "content": '{"user_id": "ann_lee_1"}'},
-            rollout.parse_assistant(call("calculate", expression="2 + 2")),
+            env.parse_assistant(call("calculate", expression="2 + 2")),
             {"role": "tool", "name": "calculate", "content": "4.0"},
-            rollout.parse_assistant("Order #W1 is pending. Anything else?"),
+            env.parse_assistant("Order #W1 is pending. Anything else?"),
             {"role": "user", "content": "Also, can you cancel it?"},
-            rollout.parse_assistant(("<think>\nCancel needs a yes.\n</think>\n\n" if thinking else "")
+            env.parse_assistant(("<think>\nCancel needs a yes.\n</think>\n\n" if thinking else "")
                                     + "It is pending. Cancel order #W1 (yes/no)?"),
             {"role": "user", "content": "yes ###STOP###"}]
 
@@ -749,9 +769,9 @@ def test_qwen3_template_tokens_in_tokens_out(tok, thinking):
 
 
 def test_qwen3_reasoning_never_reaches_the_user(tok):
-    msg = rollout.parse_assistant("<think>\nsecret plan\n</think>\n\nHow can I help?")
+    msg = env.parse_assistant("<think>\nsecret plan\n</think>\n\nHow can I help?")
     assert msg == {"role": "assistant", "content": "How can I help?", "reasoning_content": "secret plan"}
-    calls = rollout.parse_assistant('<think><tool_call>{"name": "x", "arguments": {}}</tool_call></think>Hi')
+    calls = env.parse_assistant('<think><tool_call>{"name": "x", "arguments": {}}</tool_call></think>Hi')
     assert "tool_calls" not in calls and calls["content"] == "Hi"  # a call inside reasoning is not made
 
 
@@ -890,9 +910,9 @@ def test_llm_user_timeout_retried_alone():
 
 
 def play_users(backend, n):
-    return rollout.run_episodes(None, None, tasks_for(n), {"products": {}, "users": {}, "orders": {}},
-                                lambda t, s: LLMUser(t, backend, seed=s, max_retries=0),
-                                make_agent=lambda t, s: Polite(), max_turns=3)
+    return rollout.run_episodes(rollout.TextAgents(lambda t, s: Polite()),
+                                util.shop(user=lambda t, s: LLMUser(t, backend, seed=s, max_retries=0), max_turns=3),
+                                tasks_for(n))
 
 
 class Polite:
@@ -974,8 +994,9 @@ def stored_vs_trainer(model, tok, tasks, db, temperature, top_p):
     """Episodes sampled by HFGenerator at (temperature, top_p) -> [(stored log-prob, trainer's log-prob, the
     trainer's tempered distribution at that position, sampled token)] over every policy token."""
     import grpo
-    eps = rollout.run_episodes(rollout.HFGenerator(model, tok), tok, tasks, db, scripted, max_new_tokens=30,
-                               max_turns=3, temperature=temperature, top_p=top_p, seed=7)
+    agent = rollout.TokenAgent(rollout.HFGenerator(model, tok), tok, max_new_tokens=30, temperature=temperature,
+                               top_p=top_p)
+    eps = rollout.run_episodes(agent, env.Shop(db, max_turns=3), tasks, seed=7)
     rows = []
     for ep in eps:
         ids = torch.tensor([ep.ids])
@@ -1098,16 +1119,17 @@ def test_vllm_each_prompt_gets_its_own_seed(fake_vllm, tok, tasks, db, monkeypat
     assert "distributed_executor_backend" not in kw  # one process: vLLM's own single worker
     assert kw["enable_sleep_mode"] is False  # only a GRPO engine sleeps (sleep=True), and only on CUDA
     group = [tasks[0]] * 8  # a GRPO group: 8 copies of one task, so 8 identical first prompts
-    rollout.run_episodes(gen, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=5)
+    one_turn = util.shop(db, user=lambda t, s: env.ScriptedUser(t, 0), max_turns=1)
+    rollout.run_episodes(rollout.TokenAgent(gen, tok), one_turn, group, seed=5)
     first = gen.llm.params[0]
     assert isinstance(first, list) and len(first) == 8  # one SamplingParams per prompt, not one for all
     seeds = [p.seed for p in first]
     assert len(set(seeds)) == 8 and all(0 <= s < 2 ** 31 for s in seeds)
     assert {p.max_tokens for p in first} == {256} and first[0].stop_token_ids == [tok.eos_token_id]
     again = rollout.VLLMGenerator("some/checkpoint", tok, max_model_len=1100)
-    rollout.run_episodes(again, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=5)
+    rollout.run_episodes(rollout.TokenAgent(again, tok), one_turn, group, seed=5)
     assert [p.seed for p in again.llm.params[0]] == seeds  # seeded: a rerun samples the same
-    rollout.run_episodes(again, tok, group, db, lambda t, s: env.ScriptedUser(t, 0), max_turns=1, seed=6)
+    rollout.run_episodes(rollout.TokenAgent(again, tok), one_turn, group, seed=6)
     assert not set(p.seed for p in again.llm.params[-1]) & set(seeds)  # another call seed, other seeds
 
 
@@ -1449,13 +1471,13 @@ def test_chat_agent_failure_and_deadline_error_the_episode(tasks, db):
             return [self.reply] * len(batch)
     task = cancel_task(tasks)
     down = Backend(env.UserSimError("HTTP 503 from http://teacher/v1: overloaded"))
-    ep, = rollout.run_episodes(None, None, [task], db, scripted, max_turns=5,
-                               make_agent=lambda t, s: rollout.ChatAgent(down, env.TOOL_SCHEMAS))
+    ep, = rollout.run_episodes(rollout.TextAgents(lambda t, s: rollout.ChatAgent(down)), env.Shop(db, max_turns=5),
+                               [task])
     assert ep.errored and ep.end_reason == "agent_error" and "HTTP 503" in ep.error and ep.reward_info == {}
     assert down.calls == 1 and ep.turns == 0
     slow = Backend("Could you give me your email?", delay=0.05)
-    ep, = rollout.run_episodes(None, None, [task], db, scripted, max_turns=20,
-                               make_agent=lambda t, s: rollout.ChatAgent(slow, env.TOOL_SCHEMAS, deadline=0.12))
+    ep, = rollout.run_episodes(rollout.TextAgents(lambda t, s: rollout.ChatAgent(slow, deadline=0.12)),
+                               env.Shop(db, max_turns=20), [task])
     assert ep.errored and ep.end_reason == "agent_error" and "out of time" in ep.error
     # 0.05 s or more a turn: the second or third crossed 0.12 s (a loaded machine sleeps longer), none after it
     assert slow.calls in (2, 3) and ep.turns == slow.calls

@@ -18,6 +18,7 @@ import torch
 import env
 import evaluate
 import grpo
+import pretrain_base
 import rollout
 import sft
 import synth
@@ -282,14 +283,9 @@ def test_smollm2_chain_sft_grpo_evaluate(db, conversations, tmp_path, monkeypatc
     splits = synth.generate_tasks(db, SEED, n_train=20, n_test=4)
     env.save_tasks(splits["train"], data / "train_tasks.jsonl")
     env.save_tasks(splits["test"], data / "test_tasks.jsonl")
-    real = grpo.run_episodes
-
-    def spread(*a, **kw):
-        eps = real(*a, **kw)
-        for i, e in enumerate(eps):
-            e.reward = float(i % 2 == 0)
-        return eps
-    monkeypatch.setattr(grpo, "run_episodes", spread)
+    scored = iter(range(10**9))
+    monkeypatch.setattr(env.Shop, "score", lambda self, ep, task, basis="task": setattr(
+        ep, "reward", float(next(scored) % 2 == 0)))
     g = tmp_path / "grpo"
     run_main(grpo, model=out, data_dir=data, out=g, steps=2, batch_tasks=1, group=2, max_turns=2,
              max_new_tokens=24, max_len=2048, micro_batch=2, lr=1e-6)
@@ -299,8 +295,8 @@ def test_smollm2_chain_sft_grpo_evaluate(db, conversations, tmp_path, monkeypatc
     # and an evaluation of 4 held-out tasks with it
     res = run_main(evaluate, models=[f"smol={g}"], data_dir=data, n_tasks=4, k=1, max_turns=2, max_new_tokens=24,
                    max_len=2048, out=tmp_path / "eval")
-    assert res["smol"]["all"]["n"] == 4 and res["smol"]["all"]["errored"] == 0
-    assert len(read_jsonl(tmp_path / "eval" / "smol.jsonl")) == 4
+    assert res["smol"]["shop"]["all"]["n"] == 4 and res["smol"]["shop"]["all"]["errored"] == 0
+    assert len(read_jsonl(tmp_path / "eval" / "smol_shop.jsonl")) == 4
     shutil.rmtree(out)  # 1.6 GB of weights and optimizer state each
     shutil.rmtree(g)
 
@@ -364,10 +360,10 @@ TINY = dict(batch_size=2, d_model=32, n_layer=2, n_head=2, vocab_size=512, max_l
             copy_warmup=0, copy_mix=0)
 
 
-def refused(capsys, **flags):
-    """Run sft.main, which must stop with a message; -> the message (parser.error's or SystemExit's)."""
+def refused(capsys, module=sft, **flags):
+    """Run module.main, which must stop with a message; -> the message (parser.error's or SystemExit's)."""
     with pytest.raises(SystemExit) as e:
-        run_main(sft, **flags)
+        run_main(module, **flags)
     assert e.value.code not in (0, None)
     return (str(e.value.code) if isinstance(e.value.code, str) else "") + capsys.readouterr().err
 
@@ -539,7 +535,7 @@ def test_lora_sft_merged_checkpoint_and_exact_resume(world, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the committed base (tests/tiny_base, made by `sft.py --pretrain`): the CPU demo starts from it
+# the committed base (tests/tiny_base, made by tests/pretrain_base.py): the CPU demo starts from it
 
 
 def test_committed_base_is_small_loads_and_copies():
@@ -559,10 +555,11 @@ def test_committed_base_is_small_loads_and_copies():
 def test_pretraining_text_holds_training_users_only(shop, splits):
     """No test user's id, e-mail or order may enter the base: its shop documents walk training users only, and
     every call in a document names ids its earlier text (or the user's own record) gave."""
-    train_users, test_users = sft.training_users(splits["train"]), sft.training_users(splits["test"])
+    train_users = pretrain_base.training_users(splits["train"])
+    test_users = pretrain_base.training_users(splits["test"])
     assert train_users and test_users and not set(train_users) & set(test_users)
     rng = random.Random(SEED)
-    docs = [sft.shop_document(shop, rng.choice(train_users), rng) for _ in range(300)]
+    docs = [pretrain_base.shop_document(shop, rng.choice(train_users), rng) for _ in range(300)]
     for uid in test_users:
         u = shop["users"][uid]
         for secret in [uid, u["email"], *u["orders"]]:
@@ -574,20 +571,20 @@ def test_pretraining_text_holds_training_users_only(shop, splits):
 
 
 def test_pretrain_writes_a_loadable_base_and_refuses_to_overwrite(shop, train_tasks, small_data, tmp_path, capsys):
-    """--pretrain on the generated shop beside --data: a save_pretrained folder with its recipe and metrics,
-    written whole; a second run into it needs --overwrite."""
+    """tests/pretrain_base.py on the generated shop beside --data: a save_pretrained folder with its recipe and
+    metrics, written whole; a second run into it needs --overwrite."""
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(small_data, data / "sft.jsonl")
     (data / "shop.json").write_text(json.dumps(shop))
     env.save_tasks(train_tasks, str(data / "train_tasks.jsonl"))
     out = tmp_path / "base"
-    args = dict(data=data / "sft.jsonl", out=out, pretrain=True, steps=3, batch_size=2, copy_warmup=2, d_model=32,
+    args = dict(data=data / "sft.jsonl", out=out, steps=3, batch_size=2, copy_warmup=2, d_model=32,
                 n_layer=1, n_head=2, vocab_size=400, copy_mix=1)
-    run_main(sft, **args)
+    run_main(pretrain_base, **args)
     recipe = json.loads((out / "pretrain.json").read_text())
     assert recipe["steps"] == 3 and len(read_jsonl(out / "metrics.jsonl")) == 3
     model, tok = rollout.load_model(str(out))
     assert sft.is_tiny_family(tok) and not (tmp_path / "base.tmp").exists()
-    assert "already holds a run" in refused(capsys, **args)
-    run_main(sft, **args, overwrite=True)
+    assert "already holds a run" in refused(capsys, module=pretrain_base, **args)
+    run_main(pretrain_base, **args, overwrite=True)

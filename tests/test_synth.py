@@ -157,7 +157,7 @@ def test_switch_changes_mind_only_second_write(sample, oracle_eps):
         assert writes(ep) == [(w["name"], w["arguments"])]
         assert first["write"]["name"] == "cancel_pending_order"
         oid = first["write"]["arguments"]["order_id"]
-        assert ep.db["orders"][oid]["status"] == "pending"  # the cancel was never done
+        assert ep.state["orders"][oid]["status"] == "pending"  # the cancel was never done
     assert n == 2 * PER_KIND
 
 
@@ -292,7 +292,7 @@ def test_llm_tool_simulator_runs_the_real_tool(db):
     args = {"order_id": oid, "reason": "no longer needed"}
     d = copy.deepcopy(db)
     stub = Stub("garbage")
-    assert synth.LLMToolSimulator(stub)(d, "cancel_pending_order", args) == (
+    assert synth.SimulatedShop(db, stub).call(d, "cancel_pending_order", args) == (
         "Error: the simulated cancel_pending_order returned malformed output (not JSON).", True)
     assert d["orders"][oid]["status"] == "cancelled"  # the real call ran anyway
     p = stub.prompts[0]
@@ -300,13 +300,14 @@ def test_llm_tool_simulator_runs_the_real_tool(db):
     assert f'{{"order_id": "{oid}", "user_id": "{db["orders"][oid]["user_id"]}"' in p
     assert json.dumps({"name": "cancel_pending_order", "arguments": args}) in p
     good = json.dumps({"order_id": oid, "status": "cancelled"})
-    assert synth.LLMToolSimulator(Stub(good))(copy.deepcopy(db), "cancel_pending_order", args) == (good, False)
-    text, err = synth.LLMToolSimulator(Stub(RuntimeError("down")))(copy.deepcopy(db), "get_order_details",
-                                                                   {"order_id": oid})
+    assert synth.SimulatedShop(db, Stub(good)).call(copy.deepcopy(db), "cancel_pending_order", args) == \
+        (good, False)
+    text, err = synth.SimulatedShop(db, Stub(RuntimeError("down"))).call(copy.deepcopy(db), "get_order_details",
+                                                                         {"order_id": oid})
     assert err and text.startswith("Error: tool simulator failed") and "down" in text
     # unknown tools are refused by the real tool before any simulation
     stub = Stub(good)
-    assert synth.LLMToolSimulator(stub)(copy.deepcopy(db), "refund_everything", {}) == \
+    assert synth.SimulatedShop(db, stub).call(copy.deepcopy(db), "refund_everything", {}) == \
         env.call_tool(db, "refund_everything", {})
     assert stub.prompts == []
 
@@ -314,7 +315,7 @@ def test_llm_tool_simulator_runs_the_real_tool(db):
 @pytest.mark.parametrize("args", [{"id": "#W0000001"}, {}, {"order_id": 3}, "not json"])
 def test_llm_tool_simulator_refuses_bad_arguments(db, args):
     stub = Stub(json.dumps({"order_id": "#W0000001", "status": "pending"}))
-    text, err = synth.LLMToolSimulator(stub)(copy.deepcopy(db), "get_order_details", args)
+    text, err = synth.SimulatedShop(db, stub).call(copy.deepcopy(db), "get_order_details", args)
     assert (text, err) == env.call_tool(copy.deepcopy(db), "get_order_details", args)
     assert stub.prompts == []
 
@@ -322,10 +323,9 @@ def test_llm_tool_simulator_refuses_bad_arguments(db, args):
 def test_llm_tool_simulator_with_tiny_model(db, train_tasks, conversations):
     tok, model = sft.make_tiny(conversations[:6], 400, 32, 2, 2, SEED)
     backend = Recording(rollout.HFChatBackend(model, tok))
-    sim = synth.LLMToolSimulator(backend, max_new_tokens=24)
+    sim = synth.SimulatedShop(db, backend, max_new_tokens=24, max_turns=12)
     tasks = train_tasks[:4]
-    eps = rollout.run_episodes(None, None, tasks, db, make_user=rollout.make_user_factory(),
-                               make_agent=lambda t, s: synth.OracleAgent(t, s), call_tool=sim, max_turns=12)
+    eps = util.scored(sim, rollout.run_episodes(rollout.TextAgents(synth.OracleAgent), sim, tasks), tasks)
     assert len(eps) == 4 and backend.calls
     # each prompt carries the call it simulates; the tool messages are the checked raw replies
     checked = set()
@@ -370,15 +370,15 @@ def test_teacher_agent_openai_endpoint(conversations):
         {"role": "assistant", "content": "How can I help you today?"},
     ])
     try:
-        teacher = rollout.ChatAgent(rollout.OpenAIChatBackend(fake.url, "m", backoff=0.01), env.TOOL_SCHEMAS)
-        text = teacher.act(msgs)
+        teacher = rollout.ChatAgent(rollout.OpenAIChatBackend(fake.url, "m", backoff=0.01))
+        text = teacher.act(msgs, env.TOOL_SCHEMAS)
         assert text.startswith("<tool_call>") and text.endswith("</tool_call>")
-        parsed = rollout.parse_assistant(text)
+        parsed = env.parse_assistant(text)
         assert parsed["content"] == ""
         assert [c["function"] for c in parsed["tool_calls"]] == [
             {"name": "get_user_details", "arguments": {"user_id": msgs[-1]["content"]}}]
         assert "error" not in parsed["tool_calls"][0]
-        assert rollout.parse_assistant(teacher.act(msgs)) == {"role": "assistant",
+        assert env.parse_assistant(teacher.act(msgs, env.TOOL_SCHEMAS)) == {"role": "assistant",
                                                               "content": "How can I help you today?"}
     finally:
         fake.close()
@@ -819,7 +819,7 @@ def test_judge_is_a_second_verifier(made, tmp_path, monkeypatch, capsys, case):
         assert all(r["judge"] == {"verdict": "pass", "reason": "followed the policy"} for r in rows)
         # the judge sees the domain policy, the user's request and the whole conversation with its tool calls
         p = next(p for p in srv.prompts if tasks[0]["script"]["user_id"] in p)
-        assert rollout.SYSTEM_PROMPT[:60] in p and tasks[0]["user_scenario"]["instructions"]["reason_for_call"] in p
+        assert env.SYSTEM_PROMPT[:60] in p and tasks[0]["user_scenario"]["instructions"]["reason_for_call"] in p
         assert "[calls find_user_id_by_" in p and "\ntool: " in p and "\nuser: " in p
     elif case == "reject_one":
         assert "tried 4, kept 3" in out and "dropped 1: judge rejected" in out, out

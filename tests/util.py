@@ -107,12 +107,13 @@ def run_main(module, **over):
 
 
 def main_defaults(module, entry):
-    """The keyword arguments module.main hands to module.<entry> when given no flags (the parser's defaults).
-    Run from an empty folder: main checks its default --out (a checkout with an earlier out/grpo would refuse)."""
+    """The keyword arguments module.main hands to module.<entry> when given no flags (the parser's defaults), or
+    the parsed flags it hands over as one namespace. Run from an empty folder: main checks its default --out (a
+    checkout with an earlier out/grpo would refuse)."""
     import tempfile
     from unittest import mock
     seen, here = {}, os.getcwd()
-    with tempfile.TemporaryDirectory() as empty, mock.patch.object(module, entry, lambda **kw: seen.update(kw)):
+    with tempfile.TemporaryDirectory() as empty, mock.patch.object(module, entry, lambda *a, **kw: seen.update(vars(a[0]) if a else kw)):
         os.chdir(empty)
         try:
             module.main([])
@@ -235,9 +236,30 @@ def oracle(t, s):
     return synth.OracleAgent(t, s)
 
 
-def play(tasks, db, make_agent=oracle, seed=0, **kw):
+def play(tasks, db, make_agent=oracle, seed=0, basis="db", **world_kw):
+    """Text agents from make_agent play `tasks` on the shop `db` with the scripted user; scored on `basis`."""
+    import env
     import rollout
-    return rollout.run_episodes(None, None, tasks, db, make_user=scripted, make_agent=make_agent, seed=seed, **kw)
+    world = env.Shop(db, **world_kw)
+    return scored(world, rollout.run_episodes(rollout.TextAgents(make_agent), world, tasks, seed=seed), tasks, basis)
+
+
+def shop(db=None, user=None, **world_kw):
+    """env.Shop on `db` (default: an empty shop) whose users come from user(task, seed) where given."""
+    import env
+
+    class TestShop(env.Shop):
+        def own_user(self, task, state, seed):
+            return user(task, seed) if user else super().own_user(task, state, seed)
+    return TestShop(db or {"products": {}, "users": {}, "orders": {}}, **world_kw)
+
+
+def scored(world, eps, tasks, basis="db"):
+    """Each episode that did not error, scored by the world (run_episodes leaves scoring to its caller)."""
+    for ep, task in zip(eps, tasks):
+        if not ep.errored:
+            world.score(ep, task, basis)
+    return eps
 
 
 def user_texts(ep):
