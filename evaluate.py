@@ -160,8 +160,10 @@ def main(argv=None):
                    help="Qwen3-style templates: enable_thinking on or off (default: the template's)")
     g = p.add_argument_group("worlds (default: the generated shop's test split)")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and test_tasks.jsonl")
-    g.add_argument("--tasks", default=None, help="any tau2 tasks.json / our JSONL (default: the generated test split)")
-    g.add_argument("--db", default=None, help="the db.json the --tasks run on (default: <data-dir>/shop.json)")
+    g.add_argument("--tasks", dest="tasks_file", default=None,
+                   help="any tau2 tasks.json / our JSONL (default: the generated test split)")
+    g.add_argument("--db", dest="db_file", default=None,
+                   help="the db.json the --tasks run on (default: <data-dir>/shop.json)")
     g.add_argument("--n-tasks", type=int, default=None, help="only the first n tasks (of each world)")
     g.add_argument("--policy-file", default=None, help="the agent's domain policy (default: policy.md beside --tasks, "
                    "if there; 'none': the generated shop's short prompt)")
@@ -218,21 +220,21 @@ def named_worlds(a):
         return {w.name: (w, w.tasks)}
     # airline and telecom tasks run on tau2's code (only there); retail's run there when they are the installed
     # tau2's own, else on env.py's tools, which follow the newer tau2 (../shared: get_item_details) and need no tau2
-    domain = env.tau2_domain_of(a.tasks)
-    own = domain == "retail" and env.has_tau2() and env.is_installed_tau2_data(a.tasks)
+    domain = env.tau2_domain_of(a.tasks_file)
+    own = domain == "retail" and env.has_tau2() and env.is_installed_tau2_data(a.tasks_file)
     if a.domain or domain and (domain != "retail" or own):
         out = {}
         for name in a.domain or [domain]:  # a --tasks file replaces the split (and --db the database) of its domain
-            w = env.Tau2(name, db=a.db if a.tasks else None, judge=(a.judge, a.judge_model) if a.judge else None,
+            w = env.Tau2(name, db=a.db_file if a.tasks_file else None, judge=(a.judge, a.judge_model) if a.judge else None,
                          user=users, guidelines=guidelines, max_turns=a.max_turns or 30)
-            out[name] = (w, w.tasks(a.split, path=a.tasks)[:a.n_tasks])
+            out[name] = (w, w.tasks(a.split, path=a.tasks_file)[:a.n_tasks])
             if not out[name][1]:
                 raise SystemExit(f"evaluate.py: no {name} tasks in split {a.split!r}")
         return out
-    tasks_path = a.tasks or os.path.join(a.data_dir, "test_tasks.jsonl")
-    beside = env.guidelines_beside(a.tasks)
-    w = env.Shop(env.load_db(a.db or os.path.join(a.data_dir, "shop.json")), name=domain, user=users,
-                 policy=env.policy_text(a.policy_file, a.tasks), max_turns=a.max_turns or 16,
+    tasks_path = a.tasks_file or os.path.join(a.data_dir, "test_tasks.jsonl")
+    beside = env.guidelines_beside(a.tasks_file)
+    w = env.Shop(env.load_db(a.db_file or os.path.join(a.data_dir, "shop.json")), name=domain, user=users,
+                 policy=env.policy_text(a.policy_file, a.tasks_file), max_turns=a.max_turns or 16,
                  guidelines=guidelines or (env.load_guidelines(beside) if beside else None))
     tasks = env.load_tasks(tasks_path)[:a.n_tasks]
     if not tasks:

@@ -55,7 +55,7 @@ import torch
 from tqdm import tqdm
 
 import env
-from rollout import (AdapterOff, HFGenerator, Ranks, Scale, TokenAgent, VLLMGenerator, add_scale_args,
+from rollout import (AdapterOff, HFGenerator, ModelSetup, Ranks, TokenAgent, VLLMGenerator, add_scale_args,
                      add_user_args, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons, load_model,
                      load_optimizer_state, load_train_state, logprobs_chunked, open_metrics, pad_batch, require_vllm,
                      resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap,
@@ -75,7 +75,7 @@ def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks,
     t0 = time.time()
     # 1-3. this rank's share of the B tasks, G episodes of each with the user in the loop (tools run as they are
     # called), each scored 0/1 by the world on the reward basis it trains on
-    episodes, zero, played, dropped = collect(agent, world, tasks, step=step, seed=seed, batch_tasks=batch_tasks,
+    episodes, zero_spread, groups, dropped = collect(agent, world, tasks, step=step, seed=seed, batch_tasks=batch_tasks,
                                               group=group, reward_basis=reward_basis,
                                               drop_zero_spread=drop_zero_spread, weights=weights, ranks=ranks)
     t1 = time.time()
@@ -89,7 +89,7 @@ def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks,
         agent.gen.load_weights(unwrap(policy))  # vLLM gets the new weights (transformers reads the live ones)
     else:
         stats = {"update_skipped": 1}
-    return {**step_metrics(step, episodes, zero, played, stats, t1 - t0, time.time() - t1, ranks, dropped=dropped),
+    return {**step_metrics(step, episodes, zero_spread, groups, stats, t1 - t0, time.time() - t1, ranks, dropped=dropped),
             "tally": tally_rewards(episodes, tasks, keys or sorted({task_key(t) for t in tasks}), ranks).tolist()}
 
 
@@ -99,9 +99,9 @@ def collect(agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis
     With drop_zero_spread (DAPO's dynamic sampling), groups whose rewards are all equal are replaced by fresh tasks
     (up to 3 extra rounds). -> (kept episodes in group order, zero-spread groups, groups played, episodes of the
     groups dropped: counted in the step's metrics, so that a step whose every episode errored says so)."""
-    rng = random.Random(seed * 1000003 + step * ranks.world + ranks.rank)
-    want = max(1, batch_tasks // ranks.world)
-    kept, dropped, zero, played, rounds = [], [], 0, 0, 0
+    rng = random.Random(seed * 1000003 + step * ranks.n_ranks + ranks.rank)
+    want = max(1, batch_tasks // ranks.n_ranks)
+    kept, dropped, zero_spread, groups, rounds = [], [], 0, 0, 0
     while len(kept) < want * group and rounds < (4 if drop_zero_spread else 1):
         n = want - len(kept) // group
         batch = [rng.choice(tasks) for _ in range(n)] if weights is None else rng.choices(tasks, weights, k=n)
@@ -110,17 +110,17 @@ def collect(agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis
         for ep, task in zip(episodes, batch):
             if not ep.errored:  # a failed user simulator says nothing about the policy: not scored
                 world.score(ep, task, reward_basis)  # the 0/1 task reward
-        played += n
+        groups += n
         for g in range(n):
             grp = episodes[g * group:(g + 1) * group]
             if not has_spread(grp):
-                zero += 1
+                zero_spread += 1
                 if drop_zero_spread:
                     dropped += grp
                     continue
             kept += grp
         rounds += 1
-    return kept, zero, played, dropped
+    return kept, zero_spread, groups, dropped
 
 
 def has_spread(grp):
@@ -237,7 +237,7 @@ def dummy_batch(device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the loop around the step: flags, setup (the GPU machinery sits in rollout.Scale and VLLMGenerator), the steps,
+# the loop around the step: flags, setup (the GPU machinery sits in rollout.ModelSetup and VLLMGenerator), the steps,
 # logging and checkpoints; then task sampling and logging helpers
 
 
@@ -245,8 +245,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and train_tasks.jsonl")
-    g.add_argument("--tasks", default=None, help="or any tau2 tasks.json / our JSONL (with --db)")
-    g.add_argument("--db", default=None, help="the db.json the --tasks run on")
+    g.add_argument("--tasks", dest="tasks_file", default=None, help="or any tau2 tasks.json / our JSONL (with --db)")
+    g.add_argument("--db", dest="db_file", default=None, help="the db.json the --tasks run on")
     g.add_argument("--domain", default=None, choices=env.TAU2_DOMAINS,
                    help="a tau2-bench domain, run and scored by tau2's own code (needs requirements-tau2.txt)")
     g.add_argument("--split", default="train", help="with --domain: tau2's task split to train on")
@@ -298,11 +298,11 @@ def main(argv=None):
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
     add_scale_args(p)
     a = p.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    n_ranks = int(os.environ.get("WORLD_SIZE", "1"))
     check_flags(p, a, [  # checked up front: a bad value used to give NaN, no update or no checkpoint
             ("--temperature", a.temperature > 0, "> 0 (GRPO's ratio divides the logits by it)"),
             ("--group", a.group >= 2, ">= 2 (a group of one has no spread, so never an update)"),
-            ("--batch-tasks", a.batch_tasks >= world, f">= the number of ranks ({world})"),
+            ("--batch-tasks", a.batch_tasks >= n_ranks, f">= the number of ranks ({n_ranks})"),
             ("--steps", a.steps >= 1, ">= 1"), ("--max-turns", a.max_turns >= 1, ">= 1"),
             ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
             ("--lr", a.lr > 0, "> 0"), ("--clip", a.clip > 0, "> 0"), ("--beta", a.beta >= 0, ">= 0"),
@@ -314,13 +314,13 @@ def main(argv=None):
     return train(**vars(a))
 
 
-def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
+def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
           group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread, task_sampling, user,
           user_model, user_guidelines, max_errored_steps, llm_concurrency, llm_deadline, lr, clip, beta, mean_only,
           ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb, fsdp, cpu_offload,
           activation_checkpointing, lora_rank, lora_alpha, domain=None, split="train"):
     """The GRPO loop. -> (policy, tokenizer)."""
-    # --- setup: the world and its tasks, the policy (rollout.Scale: FSDP2, LoRA, the memory plan), the sampler
+    # --- setup: the world and its tasks, the policy (rollout.ModelSetup: FSDP2, LoRA, the memory plan), the sampler
     config = dict(locals())
     if temperature <= 0:
         raise ValueError(f"GRPO needs temperature > 0 (got {temperature}): log-probs divide the logits by it")
@@ -331,36 +331,36 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         world = env.Tau2(domain, user=users, guidelines=guidelines, max_turns=max_turns)
         train_tasks, tasks_path = world.tasks(split), f"tau2 {domain} split {split}"
     else:
-        tasks_path = tasks or os.path.join(data_dir, "train_tasks.jsonl")
-        world = env.Shop(env.load_db(db or os.path.join(data_dir, "shop.json")), user=users, max_turns=max_turns,
-                         policy=env.policy_text(policy_file, tasks),
-                         guidelines=guidelines or (env.load_guidelines(env.guidelines_beside(tasks))
-                                                   if env.guidelines_beside(tasks) else None))
+        tasks_path = tasks_file or os.path.join(data_dir, "train_tasks.jsonl")
+        beside = env.guidelines_beside(tasks_file)  # tau2's, where its tasks file sits in tau2's data layout
+        world = env.Shop(env.load_db(db_file or os.path.join(data_dir, "shop.json")), user=users,
+                         max_turns=max_turns, policy=env.policy_text(policy_file, tasks_file),
+                         guidelines=guidelines or (env.load_guidelines(beside) if beside else None))
         train_tasks = env.load_tasks(tasks_path)
     if not train_tasks:
         raise SystemExit(f"grpo.py: no tasks in {tasks_path}")
-    rank, world_size, device = setup_distributed()
-    ranks = Ranks(rank, world_size, device)
+    rank, n_ranks, device = setup_distributed()
+    ranks = Ranks(rank, n_ranks, device)
     if backend == "vllm":
         require_vllm()
-    scale = Scale.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-                          lora_rank=lora_rank, lora_alpha=lora_alpha, world=world_size, device=device)
-    if backend == "hf" and scale.fsdp and world_size > 1:  # each rank's sampling runs its own number of forwards
+    setup = ModelSetup.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+                          lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
+    if backend == "hf" and setup.fsdp and n_ranks > 1:  # each rank's sampling runs its own number of forwards
         raise SystemExit("the transformers sampler cannot sample from a policy sharded over ranks (every FSDP "
                          "forward is a collective): use --backend vllm, or --fsdp off")
-    scale.check_memory(model, beta=beta, vllm_fraction=vllm_gpu_memory if backend == "vllm" else 0.0,
+    setup.check_memory(model, beta=beta, vllm_fraction=vllm_gpu_memory if backend == "vllm" else 0.0,
                        seq_len=max_len, micro_batch=micro_batch, max_new_tokens=max_new_tokens)
     torch.manual_seed(seed)
     os.makedirs(out, exist_ok=True)
     resuming = resume and os.path.isfile(os.path.join(out, "latest"))
     state = load_train_state(out) if resuming else {}  # memory-mapped: AdamW's state is read shard by shard
     # checkpoints hold merged weights: a LoRA run resumes from its base model and the saved adapter
-    policy, tok = load_model(out if resuming and not lora_rank else model, **scale.load_kw)
+    policy, tok = load_model(out if resuming and not lora_rank else model, **setup.load_kw)
     set_thinking(tok, thinking)
     ref = None
     if beta > 0 and not lora_rank:  # the reference is the starting policy (--model), frozen, also when resuming
-        ref = scale.prepare_frozen(load_model(model, **scale.load_kw)[0] if resuming else copy.deepcopy(policy))
-    policy = scale.prepare(policy, lora_state=state.get("lora"))
+        ref = setup.prepare_frozen(load_model(model, **setup.load_kw)[0] if resuming else copy.deepcopy(policy))
+    policy = setup.prepare(policy, lora_state=state.get("lora"))
     if beta > 0 and lora_rank:  # with LoRA the starting policy is the policy with its adapters off
         ref = AdapterOff(policy)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
@@ -416,7 +416,7 @@ def train(*, model, out, data_dir, tasks, db, policy_file, backend, vllm_gpu_mem
         if errored:  # their rewards were left out of every mean and every advantage; say how many and why
             print(f"grpo.py: {sum(errored.values())} episodes errored (not scored): "
                   + "; ".join(f"{n}x {reason}" for reason, n in errored.most_common()), flush=True)
-    if world_size > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
+    if n_ranks > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return unwrap(policy), tok
@@ -455,11 +455,11 @@ def task_weights(tasks, keys, tally, floor=0.02):
 # logging
 
 
-def step_metrics(step, episodes, zero, played, stats, rollout_s, update_s, ranks, dropped=()):
+def step_metrics(step, episodes, zero_spread, groups, stats, rollout_s, update_s, ranks, dropped=()):
     """One JSONL line; episode sums are summed over ranks so every rank logs the global numbers. `episodes`: the
     kept episodes; `dropped`: those of groups collect() dropped, counted in "episodes" and "errored" only."""
     ok = [e for e in episodes if not e.errored]
-    t = ranks.sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(episodes) - len(ok), zero, played,
+    t = ranks.sum(torch.tensor([sum(e.reward for e in ok), len(ok), len(episodes) - len(ok), zero_spread, groups,
                                 sum(e.turns for e in episodes), sum(e.tool_calls for e in episodes),
                                 sum(e.tool_errors for e in episodes), sum(sum(e.loss_mask) for e in episodes),
                                 len(dropped), sum(e.errored for e in dropped)], dtype=torch.float64)).tolist()

@@ -806,8 +806,8 @@ class HFGenerator:
         model, B, dev = self.model, len(prompts), self.device
         was_training = model.training
         model.eval()
-        gen = torch.Generator(device=dev)  # on the device: sampling there needs no copy of the probabilities
-        gen.manual_seed(seed if seed is not None else random.randrange(2**31))
+        rng = torch.Generator(device=dev)  # on the device: sampling there needs no copy of the probabilities
+        rng.manual_seed(seed if seed is not None else random.randrange(2**31))
         cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys, max_new_tokens)
         kw = _cache_kw(model)
         slot = attn.shape[1] - max_new_tokens  # the next free cache slot: P + N
@@ -822,7 +822,7 @@ class HFGenerator:
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         left = []  # rows that left the batch early: (prompt indices, [(keys, values) per layer], attention mask)
         for t in range(max_new_tokens):
-            tok_, lp = sample_token(logits, temperature, top_p, gen)  # (b,), (b,) for the b rows still in
+            tok_, lp = sample_token(logits, temperature, top_p, rng)  # (b,), (b,) for the b rows still in
             toks[rows, t], lps[rows, t] = tok_, lp
             kept[rows] += ~done
             done |= tok_ == self.eos_id
@@ -866,10 +866,10 @@ class HFGenerator:
                                                     for k, v in layers])
 
 
-def sample_token(logits, temperature, top_p, gen):
+def sample_token(logits, temperature, top_p, rng):
     """logits (B, V) -> sampled ids (B,) and their log-probs under softmax(logits / T).
     The recorded log-prob is the one the GRPO ratio uses (same temperature, no top-p truncation),
-    so keep top_p=1.0 for RL. temperature 0 means greedy (log-prob then at T=1). `gen`, a torch.Generator on
+    so keep top_p=1.0 for RL. temperature 0 means greedy (log-prob then at T=1). `rng`, a torch.Generator on
     logits' device, draws the sample there: nothing goes to the host."""
     T = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits / T, dim=-1)
@@ -881,7 +881,7 @@ def sample_token(logits, temperature, top_p, gen):
             sp, si = probs.sort(-1, descending=True)
             keep = sp.cumsum(-1) - sp < top_p  # smallest prefix with mass >= top_p
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # gen lives on logits' device
+        tok = torch.multinomial(probs, 1, generator=rng).squeeze(-1)  # rng lives on logits' device
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
@@ -1036,14 +1036,14 @@ class HFChatBackend:
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         sample = temperature is not None and temperature > 0
-        gen = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad)
+        settings = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad)
         if sample:
-            gen["temperature"] = temperature
+            settings["temperature"] = temperature
         # Own RNG stream: the user's sampling must not shift the policy's random state.
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed if seed is not None else 0)
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention, **gen)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention, **settings)
         eos = self.tokenizer.eos_token
         texts = [self.tokenizer.decode(row[width:], skip_special_tokens=tools is None) for row in out]
         return [t.split(eos)[0] if eos else t for t in texts]
@@ -1370,11 +1370,11 @@ def open_metrics(path, start_step):
 
 
 class Ranks:
-    """What the ranks of a torchrun job must agree on. Alone (world 1) every method gives back what it is given,
+    """What the ranks of a torchrun job must agree on. Alone (one rank) every method gives back what it is given,
     so a first reading can take each call as the identity."""
 
-    def __init__(self, rank=0, world=1, device="cpu"):
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, rank=0, n_ranks=1, device="cpu"):
+        self.rank, self.n_ranks, self.device = rank, n_ranks, device
 
     def any(self, flag):
         """Whether flag (a bool or 0-dim tensor) holds on any rank: every rank must take the same branch."""
@@ -1386,7 +1386,7 @@ class Ranks:
     def tokens(self, n):
         """The normaliser of a token-level mean over the global batch: the tokens of every rank (at least 1), divided
         by the number of ranks, since DDP and FSDP average the ranks' gradients."""
-        return max(1.0, float(all_reduce_sum(torch.tensor(float(n))))) / self.world
+        return max(1.0, float(all_reduce_sum(torch.tensor(float(n))))) / self.n_ranks
 
     def even(self, batches, dummy):
         """batches, padded with dummy() to the most any rank has: DDP all-reduces gradients inside every backward
@@ -1396,7 +1396,7 @@ class Ranks:
 
 # ----------------------------------------------------------------------------------------------------
 # scaling to GPUs: one model spread over ranks (FSDP2 or DDP), LoRA, whole weights back out of the shards, and
-# the memory plan that says which flags a model size needs. Both training stages go through Scale.
+# the memory plan that says which flags a model size needs. Both training stages go through ModelSetup.
 
 VLLM_MISSING = "--backend vllm needs vLLM, which is not installed here: pip install -r requirements-gpu.txt"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -1418,7 +1418,7 @@ def add_scale_args(p):
 
 
 @dataclass
-class Scale:
+class ModelSetup:
     """How a training stage holds its model, resolved from the flags for this run's ranks and device."""
     fsdp: bool
     activation_checkpointing: bool
@@ -1426,18 +1426,18 @@ class Scale:
     lora_rank: int
     lora_alpha: float
     bf16: bool  # compute in bf16: on a GPU that has it
-    world: int
+    n_ranks: int
     device: str
 
     @classmethod
-    def resolve(cls, *, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha, world, device):
+    def resolve(cls, *, fsdp, cpu_offload, activation_checkpointing, lora_rank, lora_alpha, n_ranks, device):
         cuda = str(device).startswith("cuda")
-        on = fsdp == "on" or (fsdp == "auto" and cuda and world > 1)
+        on = fsdp == "on" or (fsdp == "auto" and cuda and n_ranks > 1)
         if cpu_offload and not on:
             raise SystemExit("--cpu-offload offloads FSDP's shards: it needs FSDP (--fsdp on)")
         ckpt = activation_checkpointing == "on" or (activation_checkpointing == "auto" and on)
         bf16 = bool(cuda and torch.cuda.is_bf16_supported())
-        return cls(on, ckpt, cpu_offload, lora_rank, lora_alpha or 2.0 * lora_rank, bf16, world, str(device))
+        return cls(on, ckpt, cpu_offload, lora_rank, lora_alpha or 2.0 * lora_rank, bf16, n_ranks, str(device))
 
     @property
     def load_kw(self):
@@ -1453,14 +1453,14 @@ class Scale:
             model = add_lora(model, rank=self.lora_rank, alpha=self.lora_alpha)
             if lora_state:
                 model.load_state_dict(lora_state, strict=False)
-        return wrap_model(model, fsdp=self.fsdp, world=self.world, device=self.device, bf16=self.bf16,
+        return wrap_model(model, fsdp=self.fsdp, n_ranks=self.n_ranks, device=self.device, bf16=self.bf16,
                           cpu_offload=self.cpu_offload, activation_checkpointing=self.activation_checkpointing)
 
     def prepare_frozen(self, model):
         """A frozen copy of the starting policy (GRPO's KL reference): in bf16 where the policy computes in bf16,
         sharded like the policy under FSDP."""
         model = model.eval().requires_grad_(False)
-        return wrap_model(model.to(torch.bfloat16) if self.bf16 else model, fsdp=self.fsdp, world=self.world,
+        return wrap_model(model.to(torch.bfloat16) if self.bf16 else model, fsdp=self.fsdp, n_ranks=self.n_ranks,
                           device=self.device, bf16=self.bf16, cpu_offload=self.cpu_offload)
 
     def check_memory(self, path, *, beta=0.0, vllm_fraction=0.0, seq_len, micro_batch, max_new_tokens=0):
@@ -1475,17 +1475,17 @@ class Scale:
         host = host_memory_per_rank()
         run = dict(lora_rank=self.lora_rank, bf16=self.bf16, beta=beta, seq_len=seq_len, micro_batch=micro_batch,
                    max_new_tokens=max_new_tokens, host_bytes=host)
-        plan = memory_plan(shapes, world=self.world, fsdp=self.fsdp, cpu_offload=self.cpu_offload,
+        plan = memory_plan(shapes, n_ranks=self.n_ranks, fsdp=self.fsdp, cpu_offload=self.cpu_offload,
                            activation_checkpointing=self.activation_checkpointing, vllm_fraction=vllm_fraction,
                            gpu_bytes=gpu, **run)
         if plan["fits"]:
             return plan
-        flags, fit = fitting_flags(shapes, gpus=self.world, gpu_bytes=gpu, vllm=vllm_fraction > 0, **run)
+        flags, fit = fitting_flags(shapes, gpus=self.n_ranks, gpu_bytes=gpu, vllm=vllm_fraction > 0, **run)
         best = None if flags else cheapest_setup(shapes, gpu_bytes=gpu, vllm=vllm_fraction > 0, **run)
-        better = (f"With {self.world} GPU(s) these flags fit: {flag_text(flags)} ({plan_text(fit)})." if flags else
-                  f"No flags fit {self.world} GPU(s); the fewest that fit: {best[0]}, with {flag_text(best[1])} "
+        better = (f"With {self.n_ranks} GPU(s) these flags fit: {flag_text(flags)} ({plan_text(fit)})." if flags else
+                  f"No flags fit {self.n_ranks} GPU(s); the fewest that fit: {best[0]}, with {flag_text(best[1])} "
                   f"({plan_text(best[2])})." if best else "No setup of up to 32 GPUs fits.")
-        raise SystemExit(f"{path} ({shapes.n_params / 1e9:.2f}B parameters) does not fit {self.world} GPU(s) of "
+        raise SystemExit(f"{path} ({shapes.n_params / 1e9:.2f}B parameters) does not fit {self.n_ranks} GPU(s) of "
                          f"{gpu / GiB:.1f} GiB with {host / GiB:.0f} GiB host memory each: memory plan "
                          f"{plan_text(plan)}.\n{better}")
 
@@ -1503,7 +1503,7 @@ def add_lora(model, *, rank, alpha, targets=LORA_TARGETS):
                                             lora_dropout=0.0, bias="none"))
 
 
-def wrap_model(model, *, fsdp, world, device, bf16, cpu_offload=False, activation_checkpointing=False):
+def wrap_model(model, *, fsdp, n_ranks, device, bf16, cpu_offload=False, activation_checkpointing=False):
     """The one place a model is readied for (data-parallel) training, in both stages.
     FSDP2: each decoder layer, then the rest (embeddings, final norm, head: the root) becomes a unit whose weights
     are sharded over the ranks and gathered only while it computes, in bf16 when `bf16` (gradients reduced in
@@ -1514,13 +1514,13 @@ def wrap_model(model, *, fsdp, world, device, bf16, cpu_offload=False, activatio
         hf_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not fsdp:
         model.to(device)
-        if world > 1 and any(p.requires_grad for p in model.parameters()):
+        if n_ranks > 1 and any(p.requires_grad for p in model.parameters()):
             ids = [torch.device(device).index] if str(device).startswith("cuda") else None
             return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    kw = dict(mesh=init_device_mesh(torch.device(device).type, (world,)),
+    kw = dict(mesh=init_device_mesh(torch.device(device).type, (n_ranks,)),
               mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32),
               offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     for unit in decoder_layers(model) + [hf_model(model)]:
@@ -1740,7 +1740,7 @@ def activation_mode(*, fsdp, lora_rank, bf16):
     return "fp32" if not bf16 else "lora" if lora_rank else "bf16" if fsdp else "autocast"
 
 
-def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
+def memory_plan(shapes, *, n_ranks=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
                 activation_checkpointing=False, beta=0.0, vllm_fraction=0.0, gpu_bytes=80e9, host_bytes=None,
                 seq_len=16384, micro_batch=1, max_new_tokens=0, chunk=LOGPROB_CHUNK):
     """Bytes on each GPU of a training rank -> dict: weights (resident: fp32 master weights of what trains, the
@@ -1750,14 +1750,14 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     activations (one micro-batch of micro_batch x seq_len tokens), logits (one chunk of logprobs_chunked), vllm
     (the engine's share, asleep during the update), overhead; then the peaks of the two phases: rollout (resident
     state + vLLM) and update (resident state + gradients + activations), total = the larger, and fits.
-    FSDP divides what is sharded by `world`; cpu_offload moves it to host memory ("host": bytes per rank, which
+    FSDP divides what is sharded by `n_ranks`; cpu_offload moves it to host memory ("host": bytes per rank, which
     must stay within host_bytes when given; "resume": the mapped AdamW state's share of it when a run resumes).
     kv_tokens: the tokens of KV cache vLLM's share has room for; it must hold one whole sequence of the engine's
     max_model_len, seq_len + max_new_tokens (VLLMGenerator's), or vLLM refuses to start."""
     n, wb = shapes.n_params, (2 if bf16 else 4)
     train = shapes.lora_params(lora_rank) if lora_rank else n
     frozen = n if lora_rank else 0
-    shard = world if fsdp else 1
+    shard = n_ranks if fsdp else 1
     off = fsdp and cpu_offload
     tokens = micro_batch * seq_len
     p = {"weights": (4 * train + wb * frozen) / shard, "grads": 4 * train / shard, "optimizer": 8 * train / shard,
@@ -1786,7 +1786,7 @@ def memory_plan(shapes, *, world=1, fsdp=False, lora_rank=0, bf16=True, cpu_offl
     # host memory per rank: the checkpoint as read before sharding; on resume, the memory-mapped AdamW state
     # (load_train_state: one copy in the page cache, shared by a machine's GPUS_PER_HOST ranks) beside it; later
     # the offloaded shards and the asleep vLLM engine's weights
-    p["resume"] = 8 * train / min(world, GPUS_PER_HOST)
+    p["resume"] = 8 * train / min(n_ranks, GPUS_PER_HOST)
     p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0)) + p["resume"]
     p["kv_tokens"] = int(max(0, p["vllm"] - 2 * n - VLLM_RESERVE) // shapes.kv_bytes_per_token())
     p["fits"] = (p["total"] <= gpu_bytes and (host_bytes is None or p["host"] <= host_bytes)
@@ -1810,10 +1810,10 @@ def fitting_flags(shapes, *, gpus, gpu_bytes, vllm=True, offload=None, **run):
     for flags in FLAG_SETS:
         if offload is not None and flags["cpu_offload"] != offload:
             continue
-        plan = memory_plan(shapes, world=gpus, gpu_bytes=gpu_bytes, **flags, **run)
+        plan = memory_plan(shapes, n_ranks=gpus, gpu_bytes=gpu_bytes, **flags, **run)
         frac = min(0.9, math.floor(20 * (0.95 * gpu_bytes - plan["rollout"]) / gpu_bytes) / 20) if vllm else 0.0
         if frac > 0 or not vllm:
-            plan = memory_plan(shapes, world=gpus, gpu_bytes=gpu_bytes, vllm_fraction=frac, **flags, **run)
+            plan = memory_plan(shapes, n_ranks=gpus, gpu_bytes=gpu_bytes, vllm_fraction=frac, **flags, **run)
             if plan["fits"]:
                 return {**flags, "vllm_gpu_memory": frac}, plan
     return None, plan

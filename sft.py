@@ -38,7 +38,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
-from rollout import (LOGPROB_CHUNK, Scale, TINY_BASE, add_scale_args, all_reduce_sum, autocast, chatml_template,
+from rollout import (LOGPROB_CHUNK, TINY_BASE, ModelSetup, add_scale_args, all_reduce_sum, autocast, chatml_template,
                      check_flags, claim_or_stop, clip_grad, encode_conversation, load_model, load_optimizer_state,
                      load_train_state, logprobs_chunked, open_metrics, pad_batch, render,
                      save_checkpoint, set_thinking, setup_distributed, token_logprobs, unwrap)
@@ -107,13 +107,13 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
     `redraw` is "on", "off" or "auto" (on for the tiny family); `copy_mix` copy sequences join every step of a
     tiny-family model. The last five arguments are rollout.add_scale_args' flags. -> (model, tokenizer)."""
-    rank, world, device = setup_distributed()
-    scale = Scale.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-                          lora_rank=lora_rank, lora_alpha=lora_alpha, world=world, device=device)
+    rank, n_ranks, device = setup_distributed()
+    setup = ModelSetup.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+                          lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
     if tiny and lora_rank:
         raise SystemExit("LoRA adapts a pretrained model: give --model a checkpoint")
     if not tiny:
-        scale.check_memory(model, seq_len=max_len, micro_batch=batch_size)
+        setup.check_memory(model, seq_len=max_len, micro_batch=batch_size)
     torch.manual_seed(seed)
     convs = load_conversations(data)
     n_eval = max(1, int(len(convs) * eval_frac))
@@ -124,14 +124,14 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     os.makedirs(out, exist_ok=True)
     start, warm, state = 0, {}, {}
     if resume and os.path.isfile(os.path.join(out, "latest")):  # with LoRA: the base model and the saved adapter
-        net, tok = load_model(model if lora_rank else out, **scale.load_kw)
+        net, tok = load_model(model if lora_rank else out, **setup.load_kw)
         state = load_train_state(out)  # memory-mapped: AdamW's state is read shard by shard
         start = state["step"]
     elif tiny:
         tok, net, warm = tiny_model(convs, tiny, lr=lr, seed=seed, device=device,
                                     init_dir=os.path.join(out, "init") if rank == 0 else None)
     else:
-        net, tok = load_model(model, **scale.load_kw)
+        net, tok = load_model(model, **setup.load_kw)
     set_thinking(tok, thinking)
     family = tiny is not None or is_tiny_family(tok)  # the committed base, its descendants, or --model tiny
     redraw = redraw == "on" or (redraw == "auto" and family)
@@ -147,13 +147,13 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         first = min(encode_conversation(tok, c["messages"], c.get("tools"))[1].index(1) for c in train_convs[:32])
         raise SystemExit(f"sft.py: --max-len {max_len} cuts every conversation of {data} before its first agent "
                          f"token (the earliest is token {first}); raise --max-len")
-    net = scale.prepare(net, lora_state=state.get("lora"))  # LoRA, then FSDP2 / DDP (rollout.wrap_model)
+    net = setup.prepare(net, lora_state=state.get("lora"))  # LoRA, then FSDP2 / DDP (rollout.wrap_model)
     opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
                             betas=(0.9, 0.95))
     if start:
         load_optimizer_state(net, opt, state["optimizer"])
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
-    per_step = batch_size * grad_accum * world
+    per_step = batch_size * grad_accum * n_ranks
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="sft")
     for step in bar:
         t0 = time.time()
@@ -164,7 +164,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         picked = order[k * per_step:(k + 1) * per_step]
         glob = [encoded[j] for j in picked] if encoded else [encode_truncated({**train_convs[j], "messages": redraw_ids(
             train_convs[j]["messages"], random.Random(seed * 1000003 + step * 1009 + j))}) for j in picked]
-        mine = glob[rank::world]
+        mine = glob[rank::n_ranks]
         total = max(1.0, float(sum(sum(m[1:]) for _, m in glob)))  # agent tokens in the global batch
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
@@ -172,11 +172,11 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         # every rank runs as many micro-batches (DDP all-reduces in each backward, FSDP all-gathers in each
         # forward): rank 0's share is the largest, and where data is short of a global batch a rank with fewer
         # conversations runs dummies (a conversation of the batch, its loss times 0)
-        for a in range(min(grad_accum, math.ceil(len(glob[0::world]) / batch_size))):
+        for a in range(min(grad_accum, math.ceil(len(glob[0::n_ranks]) / batch_size))):
             mb = mine[a * batch_size:(a + 1) * batch_size]
-            weight = world if mb else 0.0  # DDP averages gradients over ranks: * world keeps the token mean
+            weight = n_ranks if mb else 0.0  # DDP averages gradients over ranks: * n_ranks keeps the token mean
             loss = micro_loss(net, mb or glob[:1], total, device) * weight
-            loss_sum += float(loss.detach()) / world
+            loss_sum += float(loss.detach()) / n_ranks
             if copy_mix and a == 0:
                 loss = loss + copy_mix.loss(net, step, rank)
             loss.backward()
@@ -200,7 +200,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
             log.flush()
         if (step + 1) % save_every == 0 or step + 1 == steps:  # every rank: FSDP gathers the weights first
             save_checkpoint(out, step + 1, net, tok, opt)
-    if world > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
+    if n_ranks > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return unwrap(net), tok
@@ -304,8 +304,8 @@ class CopyMix:
 
     def loss(self, model, step, rank):
         # seeded by step and rank: a resumed run sees the same sequences
-        gen = torch.Generator().manual_seed(self.seed * 1000003 + step * 101 + rank)
-        return COPY_MIX_WEIGHT * copy_loss(model, self.tok, "long", gen, self.device, self.n)
+        rng = torch.Generator().manual_seed(self.seed * 1000003 + step * 101 + rank)
+        return COPY_MIX_WEIGHT * copy_loss(model, self.tok, "long", rng, self.device, self.n)
 
 
 # the tokenizer and the model: a byte-level BPE trained on the data, a compact ChatML template, a small Qwen3
@@ -388,34 +388,34 @@ def copy_token_ids(tok):
     return torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS)), torch.tensor(tok.convert_tokens_to_ids(NAME_TOKENS))
 
 
-def copy_run(tok, run, gen):
+def copy_run(tok, run, rng):
     """`run` random tokens, each a digit chunk or (with probability COPY_NAME_P) a customer name."""
     chunks, names = copy_token_ids(tok)
-    pick_name = torch.rand(run, generator=gen) < COPY_NAME_P
-    return torch.where(pick_name, names[torch.randint(0, len(names), (run,), generator=gen)],
-                       chunks[torch.randint(0, len(chunks), (run,), generator=gen)])
+    pick_name = torch.rand(run, generator=rng) < COPY_NAME_P
+    return torch.where(pick_name, names[torch.randint(0, len(names), (run,), generator=rng)],
+                       chunks[torch.randint(0, len(chunks), (run,), generator=rng)])
 
 
-def copy_batch(tok, run, length, max_gap, n, gen):
+def copy_batch(tok, run, length, max_gap, n, rng):
     """n sequences of "text" filler, each with a random copy run repeated after a random gap.
     -> ids (n, length) and mask (n, length): 1 on the repeat's tokens after its first (what induction predicts)."""
     filler = torch.arange(len(SPECIAL_TOKENS) + 256, len(SPECIAL_TOKENS) + 356)  # 100 BPE merges: "text"
-    ids = filler[torch.randint(0, len(filler), (n, length), generator=gen)]
+    ids = filler[torch.randint(0, len(filler), (n, length), generator=rng)]
     mask = torch.zeros(n, length, dtype=torch.long)
     for b in range(n):
-        r = copy_run(tok, run, gen)
-        gap = int(torch.randint(0, max_gap, (1,), generator=gen))
-        a = int(torch.randint(0, length - 2 * run - gap + 1, (1,), generator=gen))
+        r = copy_run(tok, run, rng)
+        gap = int(torch.randint(0, max_gap, (1,), generator=rng))
+        a = int(torch.randint(0, length - 2 * run - gap + 1, (1,), generator=rng))
         c = a + run + gap
         ids[b, a:a + run], ids[b, c:c + run] = r, r
         mask[b, c + 1:c + run] = 1
     return ids, mask
 
 
-def copy_loss(model, tok, stage, gen, device, n=None):
+def copy_loss(model, tok, stage, rng, device, n=None):
     """Mean NLL of the copied tokens in one batch of the stage ("short" or "long")."""
     run, length, max_gap, batch = COPY_STAGES[stage]
-    ids, mask = (t.to(device) for t in copy_batch(tok, run, length, max_gap, n or batch, gen))
+    ids, mask = (t.to(device) for t in copy_batch(tok, run, length, max_gap, n or batch, rng))
     with autocast(device):
         lp = token_logprobs(model, ids, torch.ones_like(ids))  # (n, length-1)
     return -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
@@ -437,12 +437,12 @@ def copy_warmup(model, tok, steps, lr, device, seed):
     long stage (measured with larger initial weights, README), so copy_acc is returned and logged.
     -> (copy accuracy, short-stage steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed)
     recent, short = [], steps  # short: where the long stage starts, moved earlier once the circuit has formed
     bar = tqdm(range(steps + steps // 3), desc="copy warm-up")
     for step in bar:
         stage = "short" if step < short else "long"
-        loss = copy_loss(model, tok, stage, gen, device)
+        loss = copy_loss(model, tok, stage, rng, device)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

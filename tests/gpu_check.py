@@ -139,11 +139,11 @@ def make_model(shapes, tok, device):
 def check_size(name, shapes, tok, data, *, device, sft_lr, sft_steps, grpo_steps, batch, max_len, group, tasks, turns,
                new_tokens, resume=False):
     cuda = device.startswith("cuda")
-    scale = rollout.Scale(fsdp=True, activation_checkpointing=True, cpu_offload=False, lora_rank=0, lora_alpha=0.0,
-                          bf16=cuda and torch.cuda.is_bf16_supported(), world=1, device=device)
+    scale = rollout.ModelSetup(fsdp=True, activation_checkpointing=True, cpu_offload=False, lora_rank=0, lora_alpha=0.0,
+                          bf16=cuda and torch.cuda.is_bf16_supported(), n_ranks=1, device=device)
     model = scale.prepare(make_model(shapes, tok, device))
     opt = torch.optim.AdamW(model.parameters(), lr=sft_lr, betas=(0.9, 0.99))
-    plan = dict(world=1, fsdp=True, activation_checkpointing=True, bf16=scale.bf16)
+    plan = dict(n_ranks=1, fsdp=True, activation_checkpointing=True, bf16=scale.bf16)
     rows, label = [], f"Qwen3-{name}" if name != "smoke" else "tiny (smoke)"
 
     # 1. SFT steps: batch conversations of up to max_len tokens, the real loss

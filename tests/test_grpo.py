@@ -886,7 +886,7 @@ def _fsdp_rank(rank, world, port, model, eps, advs, out):
     got = {}
     for kind, beta in FSDP_CASES:  # with beta > 0 every episode runs, and the reference is sharded too
         policy, ref = _policy_and_ref(model, kind, beta, lambda m: rollout.wrap_model(
-            m, fsdp=True, world=world, device="cpu", bf16=False, activation_checkpointing=True))
+            m, fsdp=True, n_ranks=world, device="cpu", bf16=False, activation_checkpointing=True))
         opt = FullGrads(policy)
         mine = slice(rank * 2, rank * 2 + 2)
         grpo.ppo(policy, ref, opt, eps[mine], advs[mine], **_args(micro_batch=1, beta=beta),
@@ -939,7 +939,7 @@ def _empty_rank(rank, world, port, model, eps, advs, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    policy = rollout.wrap_model(copy.deepcopy(model), fsdp=True, world=world, device="cpu", bf16=False)
+    policy = rollout.wrap_model(copy.deepcopy(model), fsdp=True, n_ranks=world, device="cpu", bf16=False)
     opt = FullGrads(policy)
     mine = slice(0, len(eps)) if rank == 0 else slice(0, 0)
     grpo.ppo(policy, None, opt, eps[mine], advs[mine], **_args(micro_batch=1, mini_batches=3),

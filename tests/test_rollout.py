@@ -1288,11 +1288,11 @@ def test_memory_plan_hand_checked():
     p = rollout.memory_plan(s, bf16=False)
     assert p["weights"] + p["grads"] + p["optimizer"] == 16 * N and p["gathered"] == 0 and p["reference"] == 0
     # FSDP over 8 ranks divides exactly those by 8; the reference (bf16) too
-    f = rollout.memory_plan(s, world=8, fsdp=True, bf16=True, beta=0.1)
+    f = rollout.memory_plan(s, n_ranks=8, fsdp=True, bf16=True, beta=0.1)
     assert f["weights"] + f["grads"] + f["optimizer"] == 16 * N / 8 and f["reference"] == 2 * N / 8
     assert f["gathered"] == 2 * (2 * s.root_params() + 2 * s.layer_params())  # the bf16 root, params and grads
     # CPU offload: none of it on the GPU, all of it in host memory
-    o = rollout.memory_plan(s, world=8, fsdp=True, cpu_offload=True, beta=0.1)
+    o = rollout.memory_plan(s, n_ranks=8, fsdp=True, cpu_offload=True, beta=0.1)
     assert o["weights"] == o["grads"] == o["optimizer"] == o["reference"] == 0
     assert o["host"] == 16 * N / 8 + 2 * N / 8 + o["resume"]  # and, on resume, the mapped AdamW state
     # LoRA: a bf16 base, fp32 adapters with their gradients and AdamW states; the reference is the base itself
@@ -1309,20 +1309,20 @@ def test_memory_plan_hand_checked():
     assert rollout.memory_plan(s, seq_len=1000)["activations"] == 1000 * 10 * 4096 + 36 * 1000 * per_tok
     assert a["logits"] == 1000 * 151936 * 18  # fewer tokens than a chunk
     # vLLM: its share minus bf16 weights and its reserve, in tokens of KV cache; too small a share does not fit
-    v = rollout.memory_plan(s, world=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9)
+    v = rollout.memory_plan(s, n_ranks=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9)
     assert v["kv_tokens"] == int((40e9 - 2 * N - rollout.VLLM_RESERVE) // (36 * 2 * 8 * 128 * 2))
     assert v["rollout"] == v["weights"] + v["optimizer"] + 40e9 + rollout.OVERHEAD and v["fits"]
-    assert not rollout.memory_plan(s, world=8, fsdp=True, vllm_fraction=0.2, gpu_bytes=80e9)["fits"]
+    assert not rollout.memory_plan(s, n_ranks=8, fsdp=True, vllm_fraction=0.2, gpu_bytes=80e9)["fits"]
 
 
 def test_memory_plan_kv_cache_holds_an_episode_and_a_turn():
     """vLLM's max_model_len is --max-len + --max-new-tokens (VLLMGenerator): the plan's KV check counts the same,
     so a share with room for the episode but not the extra turn does not fit (vLLM would refuse to start)."""
     s = rollout.QWEN3["8B"]
-    v = rollout.memory_plan(s, world=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9,
+    v = rollout.memory_plan(s, n_ranks=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9,
                             seq_len=16384)
     room = v["kv_tokens"]
-    kw = dict(world=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9)
+    kw = dict(n_ranks=8, fsdp=True, activation_checkpointing=True, vllm_fraction=0.5, gpu_bytes=80e9)
     assert room > 16384
     assert rollout.memory_plan(s, **kw, seq_len=16384, max_new_tokens=room - 16384)["fits"]
     assert not rollout.memory_plan(s, **kw, seq_len=16384, max_new_tokens=room - 16384 + 1)["fits"]
@@ -1332,7 +1332,7 @@ def test_memory_plan_counts_the_mapped_optimizer_state_on_resume():
     """On resume every rank maps train_state.pt (load_train_state): the fp32 AdamW state, 8 bytes per trained
     parameter, is one copy per machine, shared by its ranks; it sits in host memory beside the checkpoint read."""
     s = rollout.QWEN3["14B"]
-    p = rollout.memory_plan(s, world=8, fsdp=True, activation_checkpointing=True)
+    p = rollout.memory_plan(s, n_ranks=8, fsdp=True, activation_checkpointing=True)
     assert p["resume"] == 8 * s.n_params / 8 and p["host"] == 2 * s.n_params + p["resume"]
     lo = rollout.memory_plan(s, lora_rank=16)
     assert lo["resume"] == 8 * s.lora_params(16)
@@ -1443,14 +1443,14 @@ def test_too_large_model_stops_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80e9))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     monkeypatch.setattr(rollout, "host_memory_per_rank", lambda: 1024 * rollout.GiB)
-    scale = rollout.Scale.resolve(fsdp="auto", cpu_offload=False, activation_checkpointing="auto", lora_rank=0,
-                                  lora_alpha=None, world=1, device="cuda:0")
+    scale = rollout.ModelSetup.resolve(fsdp="auto", cpu_offload=False, activation_checkpointing="auto", lora_rank=0,
+                                  lora_alpha=None, n_ranks=1, device="cuda:0")
     with pytest.raises(SystemExit) as e:
         scale.check_memory(str(tmp_path), beta=0.001, vllm_fraction=0.5, seq_len=16384, micro_batch=1)
     msg = str(e.value)
     assert "32.76B parameters" in msg and "does not fit 1 GPU" in msg and "optimizer" in msg and "--fsdp on" in msg
-    sharded = rollout.Scale.resolve(fsdp="on", cpu_offload=False, activation_checkpointing="on", lora_rank=0,
-                                    lora_alpha=None, world=16, device="cuda:0")
+    sharded = rollout.ModelSetup.resolve(fsdp="on", cpu_offload=False, activation_checkpointing="on", lora_rank=0,
+                                    lora_alpha=None, n_ranks=16, device="cuda:0")
     assert sharded.check_memory(str(tmp_path), seq_len=4096, micro_batch=1)["fits"]  # SFT of 32B over 16 GPUs
 
 
