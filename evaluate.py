@@ -225,8 +225,8 @@ def named_worlds(a):
     if a.domain or domain and (domain != "retail" or own):
         out = {}
         for name in a.domain or [domain]:  # a --tasks file replaces the split (and --db the database) of its domain
-            w = env.Tau2(name, db=a.db_file if a.tasks_file else None, judge=(a.judge, a.judge_model) if a.judge else None,
-                         user=users, guidelines=guidelines, max_turns=a.max_turns or 30)
+            w = env.Tau2(name, db=a.db_file if a.tasks_file else None, user=users, guidelines=guidelines,
+                         judge=(a.judge, a.judge_model) if a.judge else None, max_turns=a.max_turns or 30)
             out[name] = (w, w.tasks(a.split, path=a.tasks_file)[:a.n_tasks])
             if not out[name][1]:
                 raise SystemExit(f"evaluate.py: no {name} tasks in split {a.split!r}")
@@ -356,6 +356,11 @@ class BFCL(env.World):
         accs = [out[c]["accuracy"] for c in BFCL_CATEGORIES if c in out]
         full = len(accs) == len(BFCL_CATEGORIES) and None not in accs
         return {**out, "overall": {"accuracy": sum(accs) / len(accs) if full else None}}
+
+
+# ====================================================================================================
+# Machinery: a first reading stops here. bfcl-eval's pieces: its data and types, call strings, its backends' state.
+# ====================================================================================================
 
 
 def bfcl():

@@ -25,8 +25,8 @@ counted, logged, and (--drop-zero-spread) replaced by fresh groups; a step in wh
 update.
 
 A reading path through the method, in this order:
-  1. grpo.py: grpo_step, collect, group_advantages, ppo, update, policy_loss (the next ~170 lines). train(), below
-     them, is the loop around the step: setup, task sampling, logging, checkpoints.
+  1. grpo.py: grpo_step, collect, group_advantages, ppo, update, policy_loss (the next ~160 lines). train(), below
+     them, is the loop around the step: setup, the steps, checkpoints.
   2. rollout.py: run_episodes, the multi-turn loop (generate a turn; run its tool calls on the episode's own state,
      or hand its text to the user), and TokenAgent, the policy as token-in, token-out agent.
   3. env.py: World (the contract), Shop (the tools and the reward: gold actions replayed, database hashes compared)
@@ -89,8 +89,9 @@ def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks,
         agent.gen.load_weights(unwrap(policy))  # vLLM gets the new weights (transformers reads the live ones)
     else:
         stats = {"update_skipped": 1}
-    return {**step_metrics(step, episodes, zero_spread, groups, stats, t1 - t0, time.time() - t1, ranks, dropped=dropped),
-            "tally": tally_rewards(episodes, tasks, keys or sorted({task_key(t) for t in tasks}), ranks).tolist()}
+    metrics = step_metrics(step, episodes, zero_spread, groups, stats, t1 - t0, time.time() - t1, ranks, dropped)
+    return {**metrics, "tally": tally_rewards(episodes, tasks, keys or sorted({task_key(t) for t in tasks}),
+                                               ranks).tolist()}
 
 
 def collect(agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis, drop_zero_spread, ranks,
@@ -228,17 +229,9 @@ def episode_batch(episodes, advs, device):
     return ids, mask[:, 1:], attn, old[:, 1:], advs.to(device)
 
 
-def dummy_batch(device):
-    """What a rank with less work runs so that its collectives match the others' (Ranks.even): one 2-token
-    sequence with no policy token, so its loss is exactly 0."""
-    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-    zeros = torch.zeros((1, 1), device=device)
-    return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
-
-
 # ----------------------------------------------------------------------------------------------------
 # the loop around the step: flags, setup (the GPU machinery sits in rollout.ModelSetup and VLLMGenerator), the steps,
-# logging and checkpoints; then task sampling and logging helpers
+# logging and checkpoints
 
 
 def main(argv=None):
@@ -314,11 +307,11 @@ def main(argv=None):
     return train(**vars(a))
 
 
-def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vllm_gpu_memory, thinking, steps, batch_tasks,
-          group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread, task_sampling, user,
-          user_model, user_guidelines, max_errored_steps, llm_concurrency, llm_deadline, lr, clip, beta, mean_only,
-          ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb, fsdp, cpu_offload,
-          activation_checkpointing, lora_rank, lora_alpha, domain=None, split="train"):
+def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vllm_gpu_memory, thinking, steps,
+          batch_tasks, group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread,
+          task_sampling, user, user_model, user_guidelines, max_errored_steps, llm_concurrency, llm_deadline, lr, clip,
+          beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb, fsdp,
+          cpu_offload, activation_checkpointing, lora_rank, lora_alpha, domain=None, split="train"):
     """The GRPO loop. -> (policy, tokenizer)."""
     # --- setup: the world and its tasks, the policy (rollout.ModelSetup: FSDP2, LoRA, the memory plan), the sampler
     config = dict(locals())
@@ -422,8 +415,20 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
     return unwrap(policy), tok
 
 
-# ----------------------------------------------------------------------------------------------------
-# task sampling (--task-sampling spread): a running success rate per task kind
+# ====================================================================================================
+# Machinery: a first reading stops here. What a rank with no work runs, task sampling by running success
+# (--task-sampling spread), the step's metrics, the reward plot.
+# ====================================================================================================
+
+
+def dummy_batch(device):
+    """What a rank with less work runs so that its collectives match the others' (Ranks.even): one 2-token
+    sequence with no policy token, so its loss is exactly 0."""
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    zeros = torch.zeros((1, 1), device=device)
+    return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
+
+
 
 
 def tally_rewards(episodes, tasks, keys, ranks):
@@ -449,10 +454,6 @@ def task_weights(tasks, keys, tally, floor=0.02):
     p = (tally[:, 0] + 1) / (tally[:, 1] + 2)
     w = (p * (1 - p)).clamp(min=floor).tolist()
     return [w[keys.index(task_key(t))] for t in tasks]
-
-
-# ----------------------------------------------------------------------------------------------------
-# logging
 
 
 def step_metrics(step, episodes, zero_spread, groups, stats, rollout_s, update_s, ranks, dropped=()):

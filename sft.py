@@ -366,15 +366,13 @@ def make_tiny(conversations, vocab_size, d_model, n_layer, n_head, seed):
 
 # ----------------------------------------------------------------------------------------------------
 # copying, taught first. Serving a customer means copying ids (orders, users, items, payment methods) across
-# hundreds of tokens of conversation. That needs an induction circuit (find the earlier occurrence of the
-# current token, copy what followed), and a model trained from scratch on the conversations alone sits on a long
-# plateau before one forms: after 300 SFT steps it still copies <10% of id tokens. So the tiny model first learns
-# to copy on synthetic sequences (random runs of digit-chunk and name tokens repeated after a random gap, inside
-# "text" filler), short contexts then long ones: distances must vary, or the model learns a fixed-offset shortcut
-# instead of induction, and long contexts from the start do not train at all. A few copy sequences stay in every
-# SFT step so that the circuit is not forgotten. The short stage packs a long run (24 of 64 tokens) after a short
-# gap: measured with the 2048-merge tokenizer, runs of 8 after gaps up to 40 had not left the plateau after 800
-# steps (copy loss 6.2), runs of 16 left it at ~500, runs of 24 at ~250 (loss 0.4 by 500).
+# hundreds of tokens of conversation. That needs an induction circuit (find the earlier occurrence of the current
+# token, copy what followed), and a model trained from scratch on the conversations alone sits on a long plateau
+# before one forms. So the tiny model first learns to copy on synthetic sequences (random runs of digit-chunk and
+# name tokens repeated after a random gap, inside "text" filler), short contexts then long ones (distances must
+# vary, or it learns a fixed offset), and a few copy sequences stay in every SFT step so that the circuit is not
+# forgotten. The short stage packs a long run (24 of 64 tokens) after a short gap: shorter runs left the plateau
+# far later, or not at all.
 
 COPY_MIX_WEIGHT = 0.5  # the copy loss's weight next to the SFT loss in each step
 COPY_STAGES = {"short": (24, 64, 16, 32), "long": (16, 256, 200, 8)}  # run length, sequence length, max gap, batch
@@ -432,10 +430,8 @@ def copy_accuracy(model, tok, device, seed=0):
 def copy_warmup(model, tok, steps, lr, device, seed):
     """Copy-task steps with their own AdamW: the short stage until the induction circuit has formed (the mean copy
     loss of the last 20 steps below COPY_FORMED; at most `steps` steps), then steps // 3 long ones. When the circuit
-    forms varies with the seed (step 621 for seed 0; seed 1 still above at 1500), and the fixed switch at step 600
-    this replaces left seed 1 with no circuit (copy_acc 0.03). A formed circuit can still fail to carry over to the
-    long stage (measured with larger initial weights, README), so copy_acc is returned and logged.
-    -> (copy accuracy, short-stage steps)."""
+    forms varies with the seed, hence this test instead of a fixed switch; a formed circuit can still fail to carry
+    over to the long stage, so copy_acc is returned and logged. -> (copy accuracy, short-stage steps)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95))
     rng = torch.Generator().manual_seed(seed)
     recent, short = [], steps  # short: where the long stage starts, moved earlier once the circuit has formed

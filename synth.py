@@ -1,7 +1,7 @@
 """
-synth.py: cold-start data (MUA-RL's first stage). Plays the train tasks with an agent and a simulated user and
-keeps only the conversations that pass its checks (the final database is right, simulated tools agree with the
-real ones, an optional LLM judge), as OpenAI-format JSONL for sft.py.
+synth.py: cold-start data (MUA-RL's first stage). Plays the train tasks with an agent and a simulated user and keeps
+only the conversations that pass every check (the final database is right, simulated tools agree with the real ones,
+an optional LLM judge), as OpenAI-format JSONL for sft.py. Each dropped one is counted under the first check it failed.
 
     python synth.py                                   # oracle agent, scripted user, real tool execution
     python synth.py --tools mcp                       # tool results from a real MCP server (subprocess, stdio)
@@ -12,22 +12,13 @@ real ones, an optional LLM judge), as OpenAI-format JSONL for sft.py.
     python synth.py --judge http://localhost:8002/v1 --judge-model deepseek-ai/DeepSeek-R1   # an LLM judge too
     python synth.py --domain telecom --split train    # tau2's train split on tau2's code (gold replay or --agent URL)
 
-Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (the generated shop and its splits,
-once) and data/sft.jsonl: one conversation a line: {"task_id", "kind", "reward", "tools", "messages"}, and with
---judge "judge": its verdict and reason.
-
-What is simplified, and why:
-1. The demo's shop is generated here (12 products, 60 users), in tau2's retail schema, so everything runs
-   with no external files; tau2's own db.json and tasks.json load through the same env.py.
-2. The default agent is an oracle that follows each generated task's gold plan through real messages; a
-   teacher LLM (--agent URL) is the paper's route and works on any task.
-3. Tool results come from real execution (default), a real MCP server over stdio (--tools mcp), or an LLM
-   that simulates the tool (--tools llm): the paper's three pipelines. In every case the real tool also runs
-   on the episode's own db, so only trajectories the reward verifies are kept; with --tools llm every simulated
-   result must also agree with the real tool's on the same call (the rule is above SimulatedShop).
-4. The paper's dual verification is human annotation plus an LLM judge; here the second verifier is an
-   optional LLM judge (--judge URL --judge-model NAME), asked about the conversations that passed every other
-   check. Every dropped conversation is counted under the check it failed first (drop_reason).
+Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (a shop generated here in tau2's retail schema,
+so nothing external is needed, and its splits, once) and data/sft.jsonl, one conversation a line: {"task_id", "kind",
+"reward", "tools", "messages"}, and with --judge "judge": its verdict and reason. The default agent is an oracle that
+follows each generated task's gold plan; a teacher LLM (--agent URL) is the paper's route. Tool results come from real
+execution, an MCP server or an LLM (the paper's three pipelines); the real tool also runs on the episode's own db, so
+the reward verifies every kept conversation. The paper verifies by human annotation and an LLM judge; here the
+second verifier is the optional LLM judge (--judge).
 """
 import argparse
 import asyncio
@@ -84,11 +75,10 @@ def main(argv=None):
     g.add_argument("--db", default=None, help="with --mcp-server: the db.json to serve")
     g.add_argument("--max-episodes", type=int, default=16, help="with --mcp-server: episode dbs kept at once")
     args = p.parse_args(argv)
-    check_flags(p, args, [
-            ("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1"), ("--n-users", args.n_users >= 1, ">= 1"),
-            ("--n-train", args.n_train >= 1, ">= 1"), ("--n-test", args.n_test >= 1, ">= 1"),
-            ("--max-turns", args.max_turns >= 1, ">= 1"), ("--chunk", args.chunk >= 1, ">= 1"),
-            ("--max-episodes", args.max_episodes >= 1, ">= 1")])
+    check_flags(p, args, [("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1"),
+                          ("--n-users", args.n_users >= 1, ">= 1"), ("--n-train", args.n_train >= 1, ">= 1"),
+                          ("--n-test", args.n_test >= 1, ">= 1"), ("--max-turns", args.max_turns >= 1, ">= 1"),
+                          ("--chunk", args.chunk >= 1, ">= 1"), ("--max-episodes", args.max_episodes >= 1, ">= 1")])
     if args.mcp_server:
         if not args.db:
             p.error("--mcp-server needs --db PATH")
@@ -97,14 +87,11 @@ def main(argv=None):
         p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
     if args.domain:
         return synth_tau2(args)
-
     try:
         db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
     except FileExistsError as e:
         sys.exit(f"synth.py: {e}")
-    tasks = train[:args.n_tasks] if args.n_tasks else train
-    shop = os.path.join(args.data_dir, "shop.json")
-    out = args.out or os.path.join(args.data_dir, "sft.jsonl")
+    tasks, out = train[:args.n_tasks], args.out or os.path.join(args.data_dir, "sft.jsonl")
     if not tasks:
         where = os.path.join(args.data_dir, "train_tasks.jsonl")
         sys.exit(f"synth.py: no train tasks in {where}; {out} left as it was")
@@ -115,18 +102,13 @@ def main(argv=None):
     if args.user == "cooperative":  # the oracle plays the task the cooperative user has in mind: its final request
         playable = [env.cooperative_task(t) for t in playable]
     llm = dict(concurrency=args.llm_concurrency, deadline=args.llm_deadline)
-    if args.agent == "oracle":
-        make_agent = OracleAgent
-    else:  # a teacher LLM: every live episode's turn goes to it in one batch (rollout.act_all)
-        teacher = chat_backend(args.agent, args.agent_model, **llm)
-        make_agent = lambda task, seed: ChatAgent(teacher, max_new_tokens=512, seed=seed,  # noqa: E731
-                                                  deadline=4 * args.llm_deadline)
+    make_agent = OracleAgent if args.agent == "oracle" else _teacher(args, llm)
     kw = dict(user=user_backend(args.user, args.user_model, **llm), max_turns=args.max_turns,
               guidelines=env.load_guidelines(args.user_guidelines) if args.user_guidelines else None)
     died = None
     try:
         if args.tools == "mcp":
-            with MCPToolClient(shop) as client:
+            with MCPToolClient(os.path.join(args.data_dir, "shop.json")) as client:
                 world = MCPShop(client, db, **kw)
                 eps = synthesize_mcp(playable, world, TextAgents(make_agent), seed=args.seed)
         else:
@@ -139,26 +121,21 @@ def main(argv=None):
     why = {id(e): drop_reason(e, checks.get(id(e.state), [])) for e in eps}
     verdicts = {}
     if args.judge:  # the second verifier, asked only about the conversations that passed every other check
-        judge = chat_backend(args.judge, args.judge_model, **llm)
         candidates = [(e, t) for e, t in zip(eps, playable) if why[id(e)] is None]
-        for (e, _), v in zip(candidates, judge_all(judge, [(e, t) for e, t in candidates])):
+        for (e, _), v in zip(candidates, judge_all(chat_backend(args.judge, args.judge_model, **llm), candidates)):
             verdicts[id(e)] = v
-            if isinstance(v, Exception):
-                why[id(e)] = f"judge failed ({short_reason(v)})"
-            elif v["verdict"] != "pass":
-                why[id(e)] = "judge rejected"
+            why[id(e)] = (f"judge failed ({short_reason(v)})" if isinstance(v, Exception)
+                          else None if v["verdict"] == "pass" else "judge rejected")
     kept = [e for e in eps if why[id(e)] is None]
-    n_broken = sum(1 for t in tasks if broken[t["id"]])
     dropped = Counter(f"broken task (its gold replay fails: {broken[t['id']]})" for t in tasks if broken[t["id"]])
     dropped.update(r for r in why.values() if r)
-    print(f"tried {len(eps) + n_broken}, kept {len(kept)} -> {out if kept else 'nothing written'}")
+    print(f"tried {len(eps) + len(tasks) - len(playable)}, kept {len(kept)} -> {out if kept else 'nothing written'}")
     for reason, n in dropped.most_common():
         print(f"  dropped {n}: {reason}")
     if args.tools == "llm":
         print("  " + simulator_summary(checks))
     if kept:  # an empty or failed run never replaces an earlier file
-        judged = {id(e): verdicts[id(e)] for e in kept} if args.judge else None
-        write_conversations(kept, world.tools, out, judged=judged)
+        write_conversations(kept, world.tools, out, judged=verdicts if args.judge else None)
     if died:
         sys.exit(f"synth.py: {died}; " + (f"the {len(kept)} conversations kept before it were written to {out}"
                                           if kept else f"nothing was kept before it; {out} left as it was"))
@@ -168,10 +145,15 @@ def main(argv=None):
         sys.exit(f"synth.py: no conversation was kept (reasons above); {out} left as it was")
 
 
+def _teacher(a, llm):
+    """make_agent for a teacher LLM at --agent: every live episode's turn goes to it in one batch (rollout.act_all)."""
+    teacher = chat_backend(a.agent, a.agent_model, **llm)
+    return lambda task, seed: ChatAgent(teacher, max_new_tokens=512, seed=seed, deadline=4 * a.llm_deadline)
+
+
 def drop_reason(ep, checks):
-    """Why an episode is not kept, naming the cause (None: it passed, so far); checks: its tool simulator's
-    agreement checks (SimulatedShop.checks), first one first. The first cause in this order wins: an errored
-    user or agent, a tool simulator that failed or disagreed with the real tool, then the database."""
+    """Why an episode is not kept (None: it passed, so far): the first of an errored user or agent, a tool simulator
+    that failed or disagreed with the real tool (checks: the episode's SimulatedShop.checks, in order), the database."""
     if ep.errored:
         who = "agent" if ep.end_reason == "agent_error" else "user"
         return f"{who} failed ({short_reason(ep.error or ep.end_reason)})"
@@ -206,12 +188,7 @@ def synth_tau2(a):
     d = env.Tau2(a.domain, user=user_backend(a.user, a.user_model, **llm), max_turns=a.max_turns,
                  guidelines=env.load_guidelines(a.user_guidelines) if a.user_guidelines else None)
     tasks = d.tasks(a.split)[:a.n_tasks]
-    if a.agent == "oracle":
-        make_agent = env.GoldAgent
-    else:  # a teacher LLM with tau2's tool schemas
-        teacher = chat_backend(a.agent, a.agent_model, **llm)
-        make_agent = lambda task, seed: ChatAgent(teacher, max_new_tokens=512, seed=seed,  # noqa: E731
-                                                  deadline=4 * a.llm_deadline)
+    make_agent = env.GoldAgent if a.agent == "oracle" else _teacher(a, llm)  # a teacher gets tau2's tool schemas
     eps = synthesize(tasks, d, TextAgents(make_agent), chunk=a.chunk, seed=a.seed, basis="task",
                      desc=f"synth ({a.domain})")
     kept = [e for e in eps if e.reward == 1.0 and not e.errored]
@@ -237,8 +214,7 @@ def write_conversations(kept, tools, out, judged=None):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the LLM judge (MUA-RL's second verifier, beside the database check): does the conversation follow the domain
-# policy and serve the user's request? Only its verdict is read, from a JSON object (rollout.ask_judge).
+# the LLM judge (MUA-RL's second verifier): does the conversation follow the domain policy and serve the request?
 
 JUDGE_PROMPT = """You review a customer-service conversation before it becomes training data for the agent.
 Decide whether the agent (1) followed the domain policy below at every step and (2) served the user's request,
@@ -260,10 +236,9 @@ def judge_prompt(ep, task):
     policy = msgs[0]["content"] if msgs and msgs[0]["role"] == "system" else "(none)"
     lines = []
     for m in msgs[1:] if policy != "(none)" else msgs:
-        text = m.get("content") or ""
         calls = "".join(f" [calls {c['function']['name']}({json.dumps(c['function']['arguments'])})]"
                         for c in m.get("tool_calls") or [])
-        lines.append(f"{m['role']}: {text}{calls}")
+        lines.append(f"{m['role']}: {m.get('content') or ''}{calls}")
     request = (task.get("user_scenario") or {}).get("instructions", "")
     text = JUDGE_PROMPT.format(request=json.dumps(request, indent=1) if isinstance(request, dict) else request,
                                policy=policy, transcript="\n".join(lines))
@@ -372,6 +347,11 @@ PRODUCTS = {  # name -> (option name, option values, base price); one option eac
 STREETS = ["Oak St", "Maple Ave", "Pine Rd", "Cedar Ln", "Elm St", "Lake Dr", "Hill Rd", "River Way"]
 CITIES = [("Austin", "TX", "787"), ("Denver", "CO", "802"), ("Seattle", "WA", "981"), ("Boston", "MA", "021"),
           ("Phoenix", "AZ", "850"), ("Chicago", "IL", "606")]
+TASK_KINDS = ["cancel", "modify_items", "modify_address", "modify_payment", "return", "exchange",
+              "user_address", "info", "switch"]
+REASONS = {"no longer needed": ["I no longer need it", "I don't need it anymore"],
+           "ordered by mistake": ["I ordered it by mistake", "I bought it by accident"]}
+SOURCE_WORDS = {"credit_card": "credit card", "paypal": "paypal", "gift_card": "gift card"}
 
 
 def _digits(rng, n):
@@ -445,37 +425,18 @@ def _add_order(db, rng, user):
     user["orders"].append(oid)
 
 
-TASK_KINDS = ["cancel", "modify_items", "modify_address", "modify_payment", "return", "exchange",
-              "user_address", "info", "switch"]
-REASONS = {"no longer needed": ["I no longer need it", "I don't need it anymore"],
-           "ordered by mistake": ["I ordered it by mistake", "I bought it by accident"]}
-SOURCE_WORDS = {"credit_card": "credit card", "paypal": "paypal", "gift_card": "gift card"}
-
-
 def _act(name, **arguments):
     return {"action_id": "", "name": name, "arguments": arguments}
 
 
-def _orders(db, user, status):
-    return [db["orders"][o] for o in user["orders"] if db["orders"][o]["status"] == status]
-
-
-def _other_variant(db, item, rng):
-    """A different, available variant of the item's product, or None."""
-    vs = [v for v in db["products"][item["product_id"]]["variants"].values()
-          if v["available"] and v["item_id"] != item["item_id"]]
-    return rng.choice(vs) if vs else None
-
-
 def _phase(db, user, kind, rng, order=None):
-    """One request a user can make: what they say, the reads and write that serve it, what the agent's
-    confirmation must mention, and its gist in the agent's fixed words (the oracle's restatement). None when
-    this user has nothing to make that request about."""
-    uid, pms = user["user_id"], user["payment_methods"]
+    """One request a user can make (None if this user has nothing to make it about): what they say, the reads and
+    write that serve it, what the agent's confirmation must mention, its gist in the oracle's fixed words."""
+    uid, pms, orders = user["user_id"], user["payment_methods"], [db["orders"][o] for o in user["orders"]]
     status = {"cancel": "pending", "modify_items": "pending", "modify_address": "pending",
               "modify_payment": "pending", "return": "delivered", "exchange": "delivered"}.get(kind)
     if status:
-        candidates = [order] if order else _orders(db, user, status)
+        candidates = [order] if order else [o for o in orders if o["status"] == status]
         if not candidates or candidates[0]["status"] != status:
             return None
         order = rng.choice(candidates)
@@ -489,7 +450,9 @@ def _phase(db, user, kind, rng, order=None):
                     confirm_keys=[oid, "cancel", reason], gist=f"cancel order {oid} ({reason})")
     if kind in ("modify_items", "exchange"):
         item = rng.choice(order["items"])
-        new = _other_variant(db, item, rng)
+        others = [v for v in db["products"][item["product_id"]]["variants"].values()  # the product's other variants
+                  if v["available"] and v["item_id"] != item["item_id"]]
+        new = rng.choice(others) if others else None
         src = rng.choice(list(pms))
         if new is None:
             return None
@@ -538,7 +501,7 @@ def _phase(db, user, kind, rng, order=None):
         return dict(say=say, reads=reads, write=write, confirm_keys=[oid, item["name"]],
                     gist=f"return the {item['name']} from order {oid}")
     if kind == "info":
-        order = order or rng.choice([db["orders"][o] for o in user["orders"]])
+        order = order or rng.choice(orders)
         oid = order["order_id"]
         total = json.dumps(order["payment_history"][0]["amount"])
         say = [f"How much did I pay for order {oid}?", f"Can you tell me the total I paid for order {oid}?"]
@@ -549,17 +512,11 @@ def _phase(db, user, kind, rng, order=None):
 
 
 def _make_task(db, user, kind, rng):
-    if kind == "switch":  # cancel, then at the confirmation prefer another request on the same order
-        first = _phase(db, user, "cancel", rng)
-        if first is None:
-            return None
-        order = db["orders"][first["write"]["arguments"]["order_id"]]
-        second = _phase(db, user, rng.choice(["modify_address", "modify_payment"]), rng, order)
-        phases = [first, second] if second else None
-    else:
-        p = _phase(db, user, kind, rng)
-        phases = [p] if p else None
-    if phases is None:
+    phases = [_phase(db, user, "cancel" if kind == "switch" else kind, rng)]
+    if kind == "switch" and phases[0]:  # cancel, then at the confirmation prefer another request on the same order
+        order = db["orders"][phases[0]["write"]["arguments"]["order_id"]]
+        phases.append(_phase(db, user, rng.choice(["modify_address", "modify_payment"]), rng, order))
+    if not all(phases):
         return None
     knows_email = rng.random() < 0.6
     first_name, last_name, zipc = user["name"]["first_name"], user["name"]["last_name"], user["address"]["zip"]
@@ -571,7 +528,7 @@ def _make_task(db, user, kind, rng):
                      "return_delivered_order_items" for p in phases)
     actions = [ident] + ([_act("get_user_details", user_id=user["user_id"])] if needs_user else []) + last["reads"]
     actions += [last["write"]] if last["write"] else []
-    reason = " ".join(p["say"][0] for p in phases[:1])
+    reason = phases[0]["say"][0]
     if len(phases) > 1:
         reason += (" When the agent asks you to confirm, change your mind: you would rather keep the order. "
                    + phases[1]["say"][0])
@@ -583,10 +540,8 @@ def _make_task(db, user, kind, rng):
             + f" You are {first_name} {last_name}, zip code {zipc}.",
             "unknown_info": "" if knows_email else "You do not remember your email address.",
             "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
-        "evaluation_criteria": {"actions": actions,
-                                "communicate_info": last.get("answer_keys", [])},
-        "script": {"needs_user": needs_user, "email": user["email"] if knows_email else None,
-                   "first_name": first_name,
+        "evaluation_criteria": {"actions": actions, "communicate_info": last.get("answer_keys", [])},
+        "script": {"needs_user": needs_user, "email": user["email"] if knows_email else None, "first_name": first_name,
                    "last_name": last_name, "zip": zipc, "user_id": user["user_id"], "phases": phases},
     }
 
@@ -621,20 +576,18 @@ def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
 # ----------------------------------------------------------------------------------------------------
 # the oracle agent: a policy-following expert that solves a task from its gold plan
 
+EMAIL = re.compile(r"[\w.+-]+@[\w-]+\.[\w.]+")
+NAME_ZIP = re.compile(r"name is (\w+) (\w+)\b.*?zip(?: code)?(?: is)? (\d{5})", re.I | re.S)
+
 
 def tool_call_text(name, **arguments):
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
-EMAIL = re.compile(r"[\w.+-]+@[\w-]+\.[\w.]+")
-NAME_ZIP = re.compile(r"name is (\w+) (\w+)\b.*?zip(?: code)?(?: is)? (\d{5})", re.I | re.S)
-
-
 def _confirm_text(write, extra, rng):
     """The confirmation question for a write; `extra` is what the ids do not say (an option value, an item name)."""
     a, name = write["arguments"], write["name"]
-    ask = rng.choice(["Do you want me to proceed (yes/no)?", "Shall I go ahead (yes/no)?",
-                      "Please confirm (yes/no)."])
+    ask = rng.choice(["Do you want me to proceed (yes/no)?", "Shall I go ahead (yes/no)?", "Please confirm (yes/no)."])
     if name == "cancel_pending_order":
         what = f"cancel order {a['order_id']} with the reason '{a['reason']}'"
     elif name in ("modify_pending_order_items", "exchange_delivered_order_items"):
@@ -656,9 +609,8 @@ def _confirm_text(write, extra, rng):
 
 
 class OracleAgent:
-    """Follows the task's gold plan through real messages: asks for identification and parses the user's
-    answer, looks things up one call at a time, states the write and waits for a yes, moves on to the next
-    phase when the user changes their mind, and answers information requests."""
+    """Follows the task's gold plan through real messages: asks for identification and parses the answer, looks
+    things up one call at a time, states the write and waits for a yes, follows a change of mind, answers questions."""
 
     def __init__(self, task, seed=0):
         self.script, self.rng = task["script"], random.Random(seed)
@@ -719,8 +671,7 @@ class OracleAgent:
                                   zip=m.group(3))
         ask = self.rng.choice([
             "First, could you give me your email address, or your name and zip code?",
-            "To verify your identity, please provide your email, or your first and last name and zip code.",
-        ])
+            "To verify your identity, please provide your email, or your first and last name and zip code."])
         if any(m["role"] == "assistant" for m in messages):
             return ask
         # the request restated in fixed words next to the user's own: a small model decides the action here,
@@ -738,14 +689,171 @@ class OracleAgent:
 
 
 # ----------------------------------------------------------------------------------------------------
-# tools over MCP: env.py's 16 tools served over the Model Context Protocol (stdio), and the client that
-# synth.py --tools mcp plays episodes through (`python synth.py --mcp-server --db PATH` runs the server alone).
-# Starting a server costs ~1.5 s, a db copy ~10 ms, so one server holds several independent episode dbs,
-# keyed by the request's _meta["mua-rl/episode"] (MCP's slot for per-request metadata); the tool list stays
-# exactly the 16 agent tools. A new episode id gets a fresh copy of the db, made on first use. Calls without
-# the key use the session db, so a generic MCP client sees plain stateful behaviour. An episode's db is
-# readable as the resource mua-rl://db/<episode> (the caller scores the reward from it). Only the
-# `max_episodes` most recent episodes are kept; touching an evicted one is an error, not a silent restart.
+# tools simulated by an LLM (the paper's second pipeline)
+
+TOOL_SIM_PROMPT = """You simulate one tool of a retail shop's backend. Answer with the tool's result only:
+a JSON object in the same shape as the records below when the tool returns a record, the bare string when it
+returns a string (such as a user id), or "Error: <reason>" when the call must fail. No other text.
+
+Tool schema:
+{schema}
+
+Database records you may use as memory:
+{memory}
+
+Call: {call}"""
+
+RESULT_KEY = {"get_order_details": "order_id", "get_user_details": "user_id", "get_product_details": "product_id",
+              "get_item_details": "item_id", "modify_user_address": "user_id"}
+
+
+def db_slice(db, name, args):
+    """The records a tool call may read: its order and that order's user, its user, its product."""
+    recs = []
+    if not isinstance(args, dict):
+        return recs
+    order = db["orders"].get(args.get("order_id", ""))
+    if order:
+        recs += [order, db["users"].get(order["user_id"])]
+    if args.get("user_id") in db["users"]:
+        recs.append(db["users"][args["user_id"]])
+    if args.get("product_id") in db["products"]:
+        recs.append(db["products"][args["product_id"]])
+    for u in db["users"].values():
+        if u["email"].lower() == str(args.get("email", "")).lower() or (
+                u["name"]["last_name"].lower() == str(args.get("last_name", "")).lower()):
+            recs.append(u)
+    if name in ("get_item_details", "list_all_product_types"):
+        recs += list(db["products"].values())
+    return [r for r in recs if r][:6]
+
+
+def check_simulated(name, text):
+    """A simulated result must have the real tool's shape; anything else becomes a tool error."""
+    text = text.strip()
+    if text.startswith("Error"):
+        return text, True
+    if name in ("find_user_id_by_email", "find_user_id_by_name_zip", "calculate", "transfer_to_human_agents"):
+        ok = bool(text) and "\n" not in text and not text.startswith("{")
+        return (text, False) if ok else (f"Error: the simulated {name} returned malformed output.", True)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return f"Error: the simulated {name} returned malformed output (not JSON).", True
+    key = RESULT_KEY.get(name, "order_id" if name != "list_all_product_types" else None)
+    if not isinstance(obj, dict) or (key and key not in obj):
+        return f"Error: the simulated {name} returned malformed output (expected a record with '{key}').", True
+    return json.dumps(obj), False
+
+
+# Agreement of a simulated result with the real tool's on the same call (run on the episode's own db, which the agent
+# never sees). The agent acts on what a result says, so an episode is kept only when every simulated result says what
+# the real one does: both refuse the call (whatever the wording) or both answer; a result check_simulated rejects is a
+# disagreement; two answers agree when they have the same fields (paths) and every fact is equal: numbers by value,
+# booleans, null and strings without whitespace (ids, statuses, option values) exactly, while a string with whitespace
+# is prose (a street line, a reason) and may be worded differently.
+AGREE, DISAGREE, FAILED = "agreed", "disagreed", "failed"
+
+
+def _leaves(value, path=""):
+    """{path: leaf} of a JSON value, e.g. {"items[0].price": 24.0}; a bare value is at path ""."""
+    if isinstance(value, dict):
+        return {k: v for key, sub in value.items() for k, v in _leaves(sub, f"{path}.{key}" if path else key).items()}
+    if isinstance(value, list):
+        return {k: v for n, sub in enumerate(value) for k, v in _leaves(sub, f"{path}[{n}]").items()}
+    return {path: value}
+
+
+def _as_json(text):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text.strip()  # a bare string result (a user id, "Transfer successful")
+
+
+def _same_fact(a, b):
+    if isinstance(b, str) and re.search(r"\s", b):  # prose: any wording
+        return isinstance(a, str)
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        return isinstance(a, (int, float)) and not isinstance(a, bool) and a == b
+    return type(a) is type(b) and a == b
+
+
+def agreement(simulated, real):
+    """Does a simulated result agree with the real tool's (rule above)? (content, is_error) each -> None when
+    they agree, else (kind, detail): kind is a short fixed phrase for counting, detail names the first difference."""
+    (sim, sim_err), (true, true_err) = simulated, real
+    if sim_err and "returned malformed output" in sim and sim.startswith("Error: the simulated"):
+        return "malformed output", sim[:200]
+    if sim_err != true_err:
+        return (("an error where the real tool answered", f"simulated {sim[:120]!r}, real {true[:120]!r}")
+                if sim_err else ("an answer where the real tool failed", f"real {true[:120]!r}"))
+    if true_err:
+        return None
+    a, b = _leaves(_as_json(sim)), _leaves(_as_json(true))
+    if a.keys() != b.keys():
+        missing, extra = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
+        return "different fields", f"missing {missing[:3]}, invented {extra[:3]}"
+    for path, v in b.items():
+        if not _same_fact(a[path], v):
+            return "different values", f"{path or 'result'}: simulated {a[path]!r}, real {v!r}"[:240]
+    return None
+
+
+class SimulatedShop(env.Shop):
+    """The shop whose tool results come from an LLM given the tool's schema, the call and the db slice it may use.
+    The real tool also runs on the episode's own db (the reward is scored from it), and each simulated result is
+    checked against its result (agreement): checks[id(episode's state)] lists dicts with tool, status (agreed,
+    disagreed, failed), kind, detail. call_all takes a step's calls at once, so an endpoint simulates them together."""
+
+    def __init__(self, db, backend, max_new_tokens=512, **kw):
+        super().__init__(db, **kw)
+        self.backend, self.max_new_tokens, self.checks = backend, max_new_tokens, {}
+        self.by_name = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
+
+    def call(self, state, name, arguments, side="agent"):
+        return self.call_all([(state, name, arguments, side)])[0]
+
+    def call_all(self, requests):
+        """[(db, name, args, side)] -> [(content, is_error)], the real effects applied in order."""
+        out, prompts, asked = [None] * len(requests), [], []
+        for k, (db, name, args, side) in enumerate(requests):
+            args, err = env.check_call(name, args)
+            if err or side == "user":  # refused before any simulation, as the real tools do
+                out[k] = (err, True) if err else super().call(db, name, args, side)
+                continue
+            memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
+            real = env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
+            call = json.dumps({"name": name, "arguments": args})
+            prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(
+                schema=json.dumps(self.by_name[name]), memory=memory, call=call)}])
+            asked.append((k, db, name, real))
+        if prompts:
+            try:
+                replies = self.backend.chat(prompts, self.max_new_tokens, 0.0)
+            except Exception as e:  # the simulator failing is a tool error the agent can read, not a crash
+                replies = [e] * len(prompts)
+            for (k, db, name, real), text in zip(asked, replies):
+                if isinstance(text, Exception):
+                    out[k] = (f"Error: tool simulator failed: {text}", True)
+                    check = dict(tool=name, status=FAILED, kind="", detail=str(text))
+                else:
+                    out[k] = check_simulated(name, text)
+                    kind, detail = agreement(out[k], real) or ("", "")
+                    check = dict(tool=name, status=DISAGREE if kind else AGREE, kind=kind, detail=detail)
+                self.checks.setdefault(id(db), []).append(check)
+        return out
+
+
+# ====================================================================================================
+# Machinery: a first reading stops here. env.py's 16 tools over MCP (stdio): the server (`python synth.py
+# --mcp-server --db PATH`), the client --tools mcp plays through, and MCPShop. A server starts in ~1.5 s and copies
+# a db in ~10 ms, so one server holds several episode dbs, keyed by the request's _meta["mua-rl/episode"] (MCP's slot
+# for per-request metadata; the tool list stays the 16 agent tools). A new episode gets a fresh db copy on first use;
+# calls without the key use the session db (plain stateful MCP); an episode's db is the resource
+# mua-rl://db/<episode>, which the reward is scored from. Only the `max_episodes` most recent episodes are kept:
+# touching an evicted one is an error, not a silent restart.
+# ====================================================================================================
 
 EPISODE_KEY = "mua-rl/episode"
 DB_URI = "mua-rl://db"
@@ -756,7 +864,6 @@ def make_server(db, max_episodes=16):
     import mcp.types as types
     from mcp.server.lowlevel import Server
     from mcp.shared.exceptions import MCPError
-
     pristine = json.dumps(db)  # json round trip is exact for the db (plain JSON values) and 3x faster than deepcopy
     episodes = OrderedDict()   # episode id -> db, least recently used first
     evicted = set()
@@ -822,7 +929,6 @@ def serve_mcp(db_path, max_episodes=16):
     """Serve the retail tools over stdio until stdin closes. stdout is the wire: log to stderr only."""
     import anyio
     from mcp.server.stdio import stdio_server
-
     server = make_server(env.load_db(db_path), max_episodes)
 
     async def run():
@@ -834,23 +940,17 @@ def serve_mcp(db_path, max_episodes=16):
 
 
 class MCPToolClient:
-    """Blocking MCP client over a server subprocess (one per client). Also a context manager.
-
-    `command`: the server argv without the db, e.g. ["python", "synth.py", "--mcp-server"]; "--db db_path"
-    is appended. Default: this file's --mcp-server. Not thread-safe per episode: give each worker its own client.
-    """
+    """Blocking MCP client over its own server subprocess; a context manager. `command`: the server argv without the
+    db (e.g. ["python", "synth.py", "--mcp-server"]; default: this file's), "--db db_path" is appended. errlog: where
+    the server's stderr goes (a file, subprocess.DEVNULL; None: ours). Not thread-safe: one client per worker."""
 
     def __init__(self, db_path, command=None, timeout=60.0, errlog=None):
-        # errlog: where the server's stderr goes (a file or subprocess.DEVNULL); None inherits ours.
         from mcp import Client
         from mcp.client.stdio import StdioServerParameters, stdio_client
-
         command = list(command or [sys.executable, str(Path(__file__).resolve()), "--mcp-server"])
         params = StdioServerParameters(command=command[0], args=command[1:] + ["--db", str(db_path)],
                                        env=dict(os.environ), cwd=str(Path(__file__).resolve().parent))
-        self.timeout = timeout
-        self.episode = uuid.uuid4().hex
-        self._closed = False
+        self.timeout, self.episode, self._closed = timeout, uuid.uuid4().hex, False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-client", daemon=True)
         self._thread.start()
@@ -886,13 +986,11 @@ class MCPToolClient:
 
     def list_tools(self):
         """The server's tools, OpenAI-style like env.TOOL_SCHEMAS."""
-        tools, cursor = [], None
-        while True:
-            page = self._run(self._client.list_tools(cursor=cursor))
+        page = self._run(self._client.list_tools())
+        tools = list(page.tools)
+        while page.next_cursor is not None:
+            page = self._run(self._client.list_tools(cursor=page.next_cursor))
             tools += page.tools
-            cursor = page.next_cursor
-            if cursor is None:
-                break
         return [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                   "parameters": t.input_schema}} for t in tools]
 
@@ -967,169 +1065,6 @@ class MCPShop(env.Shop):
     def call(self, state, name, arguments, side="agent"):
         return super().call(state, name, arguments, side) if side == "user" else \
             self.client.call_tool(name, arguments, episode=state)
-
-
-# ----------------------------------------------------------------------------------------------------
-# tools simulated by an LLM (the paper's second pipeline)
-
-TOOL_SIM_PROMPT = """You simulate one tool of a retail shop's backend. Answer with the tool's result only:
-a JSON object in the same shape as the records below when the tool returns a record, the bare string when it
-returns a string (such as a user id), or "Error: <reason>" when the call must fail. No other text.
-
-Tool schema:
-{schema}
-
-Database records you may use as memory:
-{memory}
-
-Call: {call}"""
-
-RESULT_KEY = {"get_order_details": "order_id", "get_user_details": "user_id", "get_product_details": "product_id",
-              "get_item_details": "item_id", "modify_user_address": "user_id"}
-
-
-def db_slice(db, name, args):
-    """The records a tool call may read: its order and that order's user, its user, its product."""
-    recs = []
-    if not isinstance(args, dict):
-        return recs
-    order = db["orders"].get(args.get("order_id", ""))
-    if order:
-        recs += [order, db["users"].get(order["user_id"])]
-    if args.get("user_id") in db["users"]:
-        recs.append(db["users"][args["user_id"]])
-    if args.get("product_id") in db["products"]:
-        recs.append(db["products"][args["product_id"]])
-    for u in db["users"].values():
-        if u["email"].lower() == str(args.get("email", "")).lower() or (
-                u["name"]["last_name"].lower() == str(args.get("last_name", "")).lower()):
-            recs.append(u)
-    if name in ("get_item_details", "list_all_product_types"):
-        recs += list(db["products"].values())
-    return [r for r in recs if r][:6]
-
-
-def check_simulated(name, text):
-    """A simulated result must have the real tool's shape; anything else becomes a tool error."""
-    text = text.strip()
-    if text.startswith("Error"):
-        return text, True
-    if name in ("find_user_id_by_email", "find_user_id_by_name_zip", "calculate", "transfer_to_human_agents"):
-        ok = bool(text) and "\n" not in text and not text.startswith("{")
-        return (text, False) if ok else (f"Error: the simulated {name} returned malformed output.", True)
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return f"Error: the simulated {name} returned malformed output (not JSON).", True
-    key = RESULT_KEY.get(name, "order_id" if name != "list_all_product_types" else None)
-    if not isinstance(obj, dict) or (key and key not in obj):
-        return f"Error: the simulated {name} returned malformed output (expected a record with '{key}').", True
-    return json.dumps(obj), False
-
-
-# Agreement between a simulated result and the real tool's on the same call (the real tool runs on the episode's
-# own db, a shadow world the agent never sees). The agent acts on what a result says, so an episode is kept only
-# when every simulated result says what the real one does:
-# - both refuse the call, or both answer: a simulated error where the real tool succeeded (or the reverse) teaches
-#   the agent to give up, or to go on, where the real shop would not. Two errors agree whatever their wording.
-# - a result the shape check rejects (check_simulated) is no tool result at all: a disagreement.
-# - two answers agree when they have the same fields (paths) and every fact is equal: numbers (amounts, prices)
-#   by value, booleans, null, and every string without whitespace (ids, statuses, emails, zips, option values),
-#   exactly. A string with whitespace is prose (a street line, a reason, "Transfer successful") and may be
-#   worded differently. A missing or invented field is a disagreement: the agent could read or miss it.
-AGREE, DISAGREE, FAILED = "agreed", "disagreed", "failed"
-
-
-def _leaves(value, path=""):
-    """{path: leaf} of a JSON value, e.g. {"items[0].price": 24.0}; a bare value is at path ""."""
-    if isinstance(value, dict):
-        return {k: v for key, sub in value.items() for k, v in _leaves(sub, f"{path}.{key}" if path else key).items()}
-    if isinstance(value, list):
-        return {k: v for n, sub in enumerate(value) for k, v in _leaves(sub, f"{path}[{n}]").items()}
-    return {path: value}
-
-
-def _as_json(text):
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return text.strip()  # a bare string result (a user id, "Transfer successful")
-
-
-def _same_fact(a, b):
-    if isinstance(b, str) and re.search(r"\s", b):  # prose: any wording
-        return isinstance(a, str)
-    if isinstance(b, (int, float)) and not isinstance(b, bool):
-        return isinstance(a, (int, float)) and not isinstance(a, bool) and a == b
-    return type(a) is type(b) and a == b
-
-
-def agreement(simulated, real):
-    """Does a simulated result agree with the real tool's (rule above)? (content, is_error) each -> None when
-    they agree, else (kind, detail): kind is a short fixed phrase for counting, detail names the first difference."""
-    (sim, sim_err), (true, true_err) = simulated, real
-    if sim_err and "returned malformed output" in sim and sim.startswith("Error: the simulated"):
-        return "malformed output", sim[:200]
-    if sim_err != true_err:
-        return (("an error where the real tool answered", f"simulated {sim[:120]!r}, real {true[:120]!r}")
-                if sim_err else ("an answer where the real tool failed", f"real {true[:120]!r}"))
-    if true_err:
-        return None
-    a, b = _leaves(_as_json(sim)), _leaves(_as_json(true))
-    if a.keys() != b.keys():
-        missing, extra = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
-        return "different fields", f"missing {missing[:3]}, invented {extra[:3]}"
-    for path, v in b.items():
-        if not _same_fact(a[path], v):
-            return "different values", f"{path or 'result'}: simulated {a[path]!r}, real {v!r}"[:240]
-    return None
-
-
-class SimulatedShop(env.Shop):
-    """The shop whose tool results come from an LLM prompted with the tool's schema, the call and the slice of the db
-    it may use. The real tool also runs on the episode's own db (which the agent never sees): the reward is scored
-    from it, and each simulated result is checked against the real one (agreement()). An episode's checks are in
-    checks[id(its state)]: dicts with tool, status (agreed, disagreed, failed), kind, detail. run_episodes hands it
-    every call of a step at once (call_all), so an endpoint simulates them concurrently."""
-
-    def __init__(self, db, backend, max_new_tokens=512, **kw):
-        super().__init__(db, **kw)
-        self.backend, self.max_new_tokens, self.checks = backend, max_new_tokens, {}
-        self.by_name = {s["function"]["name"]: s for s in env.TOOL_SCHEMAS}
-
-    def call(self, state, name, arguments, side="agent"):
-        return self.call_all([(state, name, arguments, side)])[0]
-
-    def call_all(self, requests):
-        """[(db, name, args, side)] -> [(content, is_error)], the real effects applied in order."""
-        out, prompts, asked = [None] * len(requests), [], []
-        for k, (db, name, args, side) in enumerate(requests):
-            args, err = env.check_call(name, args)
-            if err or side == "user":  # refused before any simulation, as the real tools do
-                out[k] = (err, True) if err else super().call(db, name, args, side)
-                continue
-            memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
-            real = env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
-            call = json.dumps({"name": name, "arguments": args})
-            prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(
-                schema=json.dumps(self.by_name[name]), memory=memory, call=call)}])
-            asked.append((k, db, name, real))
-        if prompts:
-            try:
-                replies = self.backend.chat(prompts, self.max_new_tokens, 0.0)
-            except Exception as e:  # the simulator failing is a tool error the agent can read, not a crash
-                replies = [e] * len(prompts)
-            for (k, db, name, real), text in zip(asked, replies):
-                if isinstance(text, Exception):
-                    out[k] = (f"Error: tool simulator failed: {text}", True)
-                    check = dict(tool=name, status=FAILED, kind="", detail=str(text))
-                else:
-                    out[k] = check_simulated(name, text)
-                    differs = agreement(out[k], real)
-                    check = dict(tool=name, status=DISAGREE if differs else AGREE, kind=differs[0] if differs else "",
-                                 detail=differs[1] if differs else "")
-                self.checks.setdefault(id(db), []).append(check)
-        return out
 
 
 if __name__ == "__main__":
