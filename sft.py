@@ -43,7 +43,6 @@ from rollout import (LOGPROB_CHUNK, TINY_BASE, ModelSetup, add_scale_args, all_r
                      load_train_state, logprobs_chunked, open_metrics, pad_batch, render,
                      save_checkpoint, set_thinking, setup_distributed, token_logprobs, unwrap)
 
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
@@ -100,7 +99,6 @@ def main(argv=None):
                  fsdp=a.fsdp, cpu_offload=a.cpu_offload, activation_checkpointing=a.activation_checkpointing,
                  lora_rank=a.lora_rank, lora_alpha=a.lora_alpha)
 
-
 def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, grad_clip, max_len,
           eval_every, eval_frac, save_every, resume, thinking, redraw, copy_mix, seed, fsdp, cpu_offload,
           activation_checkpointing, lora_rank, lora_alpha):
@@ -109,7 +107,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     tiny-family model. The last five arguments are rollout.add_scale_args' flags. -> (model, tokenizer)."""
     rank, n_ranks, device = setup_distributed()
     setup = ModelSetup.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-                          lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
+                               lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
     if tiny and lora_rank:
         raise SystemExit("LoRA adapts a pretrained model: give --model a checkpoint")
     if not tiny:
@@ -209,7 +207,6 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
 # ----------------------------------------------------------------------------------------------------
 # the loss, the data and the schedule
 
-
 def micro_loss(model, batch, total_tokens, device):
     """Sum of agent-token NLL in this micro-batch divided by the agent tokens of the whole global batch,
     so that gradient accumulation and ranks add up to a token-level mean. (A batch of (ids, all-ones mask)
@@ -218,7 +215,6 @@ def micro_loss(model, batch, total_tokens, device):
     with autocast(device):
         lp = token_logprobs(model, ids, attn, chunk=LOGPROB_CHUNK)  # never the whole (B, T, V) logits
     return -(lp * lmask[:, 1:]).sum() / total_tokens
-
 
 @torch.no_grad()
 def eval_heldout(model, tok, data, batch_size, device):
@@ -243,7 +239,6 @@ def eval_heldout(model, tok, data, batch_size, device):
     model.train()
     return {"eval_loss": nll / max(1, n), "eval_acc": hit / max(1, n), "eval_id_acc": dhit / max(1, dn)}
 
-
 def load_conversations(path):
     out = []
     with open(path) as f:
@@ -256,7 +251,6 @@ def load_conversations(path):
                     raise ValueError(f"{path}:{n}: not a conversation ({e})") from None
                 out.append(c)
     return out
-
 
 def lr_at(step, total, lr, warmup):
     """Linear warmup then cosine to 10% of the peak."""
@@ -271,7 +265,6 @@ def lr_at(step, total, lr, warmup):
 # The tiny model, for the CPU demo only: everything below is entered through tiny_model() and CopyMix.
 # ====================================================================================================
 
-
 @dataclass
 class TinyConfig:
     vocab_size: int = 2048   # BPE tokens, plus one token per 2- and 3-digit string and per customer name
@@ -279,7 +272,6 @@ class TinyConfig:
     n_layer: int = 4
     n_head: int = 4
     copy_warmup: int = 900   # at most this many short copy steps before SFT, then a third as many long ones
-
 
 def tiny_model(convs, cfg, *, lr, seed, device, init_dir=None):
     """A tokenizer trained on the conversations, a fresh small Qwen3 sized to it (saved untrained to
@@ -294,7 +286,6 @@ def tiny_model(convs, cfg, *, lr, seed, device, init_dir=None):
         acc, short = copy_warmup(model, tok, cfg.copy_warmup, lr, device, seed)
         warm = {"copy_acc": acc, "copy_short_steps": short, "copy_warmup_s": round(time.time() - t0, 1)}
     return tok, model, warm
-
 
 class CopyMix:
     """A few long copy sequences added to every SFT step, so that the copy circuit is not forgotten."""
@@ -316,7 +307,6 @@ DIGIT_CHUNKS = [f"{i:03d}" for i in range(1000)] + [f"{i:02d}" for i in range(10
 # the generated shop's customer names, one token each in both cases: "Olga" is then the same token after a space
 # (a user message), a quote (a tool call's JSON) or a dot (an e-mail), so it can be copied token by token
 NAME_TOKENS = sorted({w for n in env.FIRST + env.LAST for w in (n, n.lower())})
-
 
 def build_tiny_tokenizer(texts, vocab_size=2048):
     """Byte-level BPE (`vocab_size` tokens) trained on `texts`, plus one token for every 2- and 3-digit string
@@ -345,7 +335,6 @@ def build_tiny_tokenizer(texts, vocab_size=2048):
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=TINY_CHAT_TEMPLATE, model_max_length=4096)
 
-
 def build_tiny_model(tok, d_model=128, n_layer=4, n_head=4, max_len=4096, seed=0):
     """A fresh small Qwen3 (the architecture of the GPU recipe, scaled down). ~1M parameters by default."""
     torch.manual_seed(seed)
@@ -354,7 +343,6 @@ def build_tiny_model(tok, d_model=128, n_layer=4, n_head=4, max_len=4096, seed=0
                       head_dim=d_model // n_head, max_position_embeddings=max_len, tie_word_embeddings=True,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     return Qwen3ForCausalLM(cfg)
-
 
 def make_tiny(conversations, vocab_size, d_model, n_layer, n_head, seed):
     """Tokenizer trained on the rendered training conversations, then a fresh model sized to it."""
@@ -379,12 +367,10 @@ COPY_STAGES = {"short": (24, 64, 16, 32), "long": (16, 256, 200, 8)}  # run leng
 COPY_FORMED = 1.0  # short-stage copy loss (20-step mean) that says the circuit formed; the plateau sits at ~6.5
 COPY_NAME_P = 0.2  # share of name tokens in copy runs (0: digits only never copied names; 0.5: no circuit by 1200)
 
-
 @functools.lru_cache(maxsize=4)
 def copy_token_ids(tok):
     """-> (digit-chunk ids, name ids): what copy runs are made of."""
     return torch.tensor(tok.convert_tokens_to_ids(DIGIT_CHUNKS)), torch.tensor(tok.convert_tokens_to_ids(NAME_TOKENS))
-
 
 def copy_run(tok, run, rng):
     """`run` random tokens, each a digit chunk or (with probability COPY_NAME_P) a customer name."""
@@ -392,7 +378,6 @@ def copy_run(tok, run, rng):
     pick_name = torch.rand(run, generator=rng) < COPY_NAME_P
     return torch.where(pick_name, names[torch.randint(0, len(names), (run,), generator=rng)],
                        chunks[torch.randint(0, len(chunks), (run,), generator=rng)])
-
 
 def copy_batch(tok, run, length, max_gap, n, rng):
     """n sequences of "text" filler, each with a random copy run repeated after a random gap.
@@ -409,7 +394,6 @@ def copy_batch(tok, run, length, max_gap, n, rng):
         mask[b, c + 1:c + run] = 1
     return ids, mask
 
-
 def copy_loss(model, tok, stage, rng, device, n=None):
     """Mean NLL of the copied tokens in one batch of the stage ("short" or "long")."""
     run, length, max_gap, batch = COPY_STAGES[stage]
@@ -418,14 +402,12 @@ def copy_loss(model, tok, stage, rng, device, n=None):
         lp = token_logprobs(model, ids, torch.ones_like(ids))  # (n, length-1)
     return -(lp * mask[:, 1:]).sum() / mask[:, 1:].sum()
 
-
 @torch.no_grad()
 def copy_accuracy(model, tok, device, seed=0):
     """Greedy accuracy on copies in 512-token sequences with gaps up to 400: longer than anything trained on."""
     ids, mask = (t.to(device) for t in copy_batch(tok, 16, 512, 400, 8, torch.Generator().manual_seed(seed)))
     pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
     return float(((pred == ids[:, 1:]) & mask[:, 1:].bool()).sum() / mask[:, 1:].sum())
-
 
 def copy_warmup(model, tok, steps, lr, device, seed):
     """Copy-task steps with their own AdamW: the short stage until the induction circuit has formed (the mean copy
@@ -455,7 +437,6 @@ def copy_warmup(model, tok, steps, lr, device, seed):
 # ----------------------------------------------------------------------------------------------------
 # the committed base (tests/tiny_base, made once by tests/pretrain_base.py) and its descendants
 
-
 def is_tiny_family(tok):
     """True for this section's tokenizers (one token per customer name and per 2- and 3-digit string): the
     committed base, its descendants, --model tiny. Real chat models' tokenizers have neither."""
@@ -468,7 +449,6 @@ def is_tiny_family(tok):
 
 ID_DIGITS = re.compile(r"\d{4,}")
 NAMES = re.compile(r"(?<![A-Za-z])(" + "|".join(NAME_TOKENS) + r")(?![a-z])")  # a name, not inside a word
-
 
 def redraw_ids(messages, rng):
     """Replace every run of 4+ digits (order, item, product, payment and user ids, zips) by a fresh random run of

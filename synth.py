@@ -39,7 +39,6 @@ import env
 from rollout import (ChatAgent, TextAgents, add_user_args, all_errored, ask_judge, chat_backend, check_flags,
                      run_episodes, short_reason, user_backend)
 
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
@@ -144,12 +143,10 @@ def main(argv=None):
     if not kept:
         sys.exit(f"synth.py: no conversation was kept (reasons above); {out} left as it was")
 
-
 def _teacher(a, llm):
     """make_agent for a teacher LLM at --agent: every live episode's turn goes to it in one batch (rollout.act_all)."""
     teacher = chat_backend(a.agent, a.agent_model, **llm)
     return lambda task, seed: ChatAgent(teacher, max_new_tokens=512, seed=seed, deadline=4 * a.llm_deadline)
-
 
 def drop_reason(ep, checks):
     """Why an episode is not kept (None: it passed, so far): the first of an errored user or agent, a tool simulator
@@ -166,7 +163,6 @@ def drop_reason(ep, checks):
         return f"wrong database (the episode ended by {ep.end_reason})"
     return None
 
-
 def simulator_summary(checks):
     """One line: the simulated calls, and per tool how many disagreed with the real tool or failed."""
     calls = [c for cs in checks.values() for c in cs]
@@ -179,7 +175,6 @@ def simulator_summary(checks):
     return (f"tool simulator: {len(calls)} calls, {n[AGREE]} agreed with the real tool, {n[DISAGREE]} disagreed"
             + (f" ({bad[DISAGREE]})" if n[DISAGREE] else "") + f", {n[FAILED]} failed"
             + (f" ({bad[FAILED]})" if n[FAILED] else ""))
-
 
 def synth_tau2(a):
     """--domain: tau2's split played on tau2's code (env.Tau2), kept where tau2's evaluator gives the task's own
@@ -199,7 +194,6 @@ def synth_tau2(a):
         sys.exit(f"synth.py: no conversation was kept; {out} left as it was")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     write_conversations(kept, d.tools, out)
-
 
 def write_conversations(kept, tools, out, judged=None):
     """Write the kept conversations as JSONL: to a temp file, renamed over `out` only once complete. judged:
@@ -229,7 +223,6 @@ Conversation:
 
 Answer with one JSON object and nothing else: {{"verdict": "pass" or "fail", "reason": "<one sentence>"}}"""
 
-
 def judge_prompt(ep, task):
     """The judge's prompt for one episode: the task's user scenario, the agent's policy, the transcript as text."""
     msgs = ep.messages
@@ -244,7 +237,6 @@ def judge_prompt(ep, task):
                                policy=policy, transcript="\n".join(lines))
     return [{"role": "user", "content": text}]
 
-
 def judge_all(backend, episodes):
     """[(episode, task)] -> one verdict each: {"verdict": "pass" | "fail", "reason": str}, or the exception
     that ended the judge's request (its endpoint failed within the deadline, or it never gave a verdict)."""
@@ -252,7 +244,6 @@ def judge_all(backend, episodes):
     out = ask_judge(backend, [judge_prompt(e, t) for e, t in episodes], accept)
     return [v if isinstance(v, Exception) else
             {"verdict": str(v["verdict"]).lower(), "reason": str(v.get("reason", ""))} for v in out]
-
 
 def gold_failure(task, db):
     """The first failing gold action of task on a fresh copy of db, as 'name: Error: ...', or None."""
@@ -262,14 +253,12 @@ def gold_failure(task, db):
             return f"{a['name']}: {content}"
     return None
 
-
 class MCPServerDied(RuntimeError):
     """The MCP server stopped answering mid-run; `episodes` holds the episodes finished before it did."""
 
     def __init__(self, message, episodes):
         super().__init__(message)
         self.episodes = episodes
-
 
 def synthesize(tasks, world, agent, *, chunk, seed, basis="db", desc="synth"):
     """Play every task once, `chunk` episodes together, each scored by the world (the caller keeps reward 1)."""
@@ -281,7 +270,6 @@ def synthesize(tasks, world, agent, *, chunk, seed, basis="db", desc="synth"):
                 world.score(ep, task, basis)
             eps.append(ep)
     return eps
-
 
 def synthesize_mcp(tasks, world, agent, *, seed):
     """synthesize on the MCP server (an MCPShop), one episode at a time, each scored from the database the server
@@ -300,7 +288,6 @@ def synthesize_mcp(tasks, world, agent, *, seed):
             world.score(ep, task, "db")
         eps.append(ep)
     return eps
-
 
 def prepare_data(data_dir, seed=0, n_users=60, n_train=400, n_test=60):
     """Generate the shop and its train/test tasks into data_dir (once) and load them."""
@@ -353,17 +340,14 @@ REASONS = {"no longer needed": ["I no longer need it", "I don't need it anymore"
            "ordered by mistake": ["I ordered it by mistake", "I bought it by accident"]}
 SOURCE_WORDS = {"credit_card": "credit card", "paypal": "paypal", "gift_card": "gift card"}
 
-
 def _digits(rng, n):
     return str(rng.randrange(10 ** (n - 1), 10 ** n))
-
 
 def _random_address(rng):
     city, state, zip3 = rng.choice(CITIES)
     return {"address1": f"{rng.randrange(10, 999)} {rng.choice(STREETS)}",
             "address2": rng.choice(["", f"Apt {rng.randrange(1, 40)}"]),
             "city": city, "country": "USA", "state": state, "zip": zip3 + _digits(rng, 2)}
-
 
 def generate_shop(seed=0, n_users=60):
     """A small shop in tau2's retail schema: 12 products, `n_users` users, 2-4 orders each."""
@@ -384,7 +368,6 @@ def generate_shop(seed=0, n_users=60):
         _add_user(db, rng, first, last)
     return db
 
-
 def _add_user(db, rng, first, last):
     uid = f"{first.lower()}_{last.lower()}_{_digits(rng, 4)}"
     pms = {}
@@ -401,7 +384,6 @@ def _add_user(db, rng, first, last):
     db["users"][uid] = user
     for _ in range(rng.randrange(2, 5)):
         _add_order(db, rng, user)
-
 
 def _add_order(db, rng, user):
     oid = "#W" + _digits(rng, 7)
@@ -424,10 +406,8 @@ def _add_order(db, rng, user):
     db["orders"][oid] = order
     user["orders"].append(oid)
 
-
 def _act(name, **arguments):
     return {"action_id": "", "name": name, "arguments": arguments}
-
 
 def _phase(db, user, kind, rng, order=None):
     """One request a user can make (None if this user has nothing to make it about): what they say, the reads and
@@ -510,7 +490,6 @@ def _phase(db, user, kind, rng, order=None):
                     gist=f"look up what you paid for order {oid}")
     raise ValueError(f"unknown task kind {kind!r}")
 
-
 def _make_task(db, user, kind, rng):
     phases = [_phase(db, user, "cancel" if kind == "switch" else kind, rng)]
     if kind == "switch" and phases[0]:  # cancel, then at the confirmation prefer another request on the same order
@@ -545,7 +524,6 @@ def _make_task(db, user, kind, rng):
                    "last_name": last_name, "zip": zipc, "user_id": user["user_id"], "phases": phases},
     }
 
-
 def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
     """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
     rng = random.Random(seed)
@@ -579,10 +557,8 @@ def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
 EMAIL = re.compile(r"[\w.+-]+@[\w-]+\.[\w.]+")
 NAME_ZIP = re.compile(r"name is (\w+) (\w+)\b.*?zip(?: code)?(?: is)? (\d{5})", re.I | re.S)
 
-
 def tool_call_text(name, **arguments):
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
 
 def _confirm_text(write, extra, rng):
     """The confirmation question for a write; `extra` is what the ids do not say (an option value, an item name)."""
@@ -606,7 +582,6 @@ def _confirm_text(write, extra, rng):
     else:
         raise ValueError(name)
     return f"I will {what}. {ask}"
-
 
 class OracleAgent:
     """Follows the task's gold plan through real messages: asks for identification and parses the answer, looks
@@ -706,7 +681,6 @@ Call: {call}"""
 RESULT_KEY = {"get_order_details": "order_id", "get_user_details": "user_id", "get_product_details": "product_id",
               "get_item_details": "item_id", "modify_user_address": "user_id"}
 
-
 def db_slice(db, name, args):
     """The records a tool call may read: its order and that order's user, its user, its product."""
     recs = []
@@ -726,7 +700,6 @@ def db_slice(db, name, args):
     if name in ("get_item_details", "list_all_product_types"):
         recs += list(db["products"].values())
     return [r for r in recs if r][:6]
-
 
 def check_simulated(name, text):
     """A simulated result must have the real tool's shape; anything else becomes a tool error."""
@@ -754,7 +727,6 @@ def check_simulated(name, text):
 # is prose (a street line, a reason) and may be worded differently.
 AGREE, DISAGREE, FAILED = "agreed", "disagreed", "failed"
 
-
 def _leaves(value, path=""):
     """{path: leaf} of a JSON value, e.g. {"items[0].price": 24.0}; a bare value is at path ""."""
     if isinstance(value, dict):
@@ -763,13 +735,11 @@ def _leaves(value, path=""):
         return {k: v for n, sub in enumerate(value) for k, v in _leaves(sub, f"{path}[{n}]").items()}
     return {path: value}
 
-
 def _as_json(text):
     try:
         return json.loads(text)
     except (ValueError, RecursionError):
         return text.strip()  # a bare string result (a user id, "Transfer successful")
-
 
 def _same_fact(a, b):
     if isinstance(b, str) and re.search(r"\s", b):  # prose: any wording
@@ -777,7 +747,6 @@ def _same_fact(a, b):
     if isinstance(b, (int, float)) and not isinstance(b, bool):
         return isinstance(a, (int, float)) and not isinstance(a, bool) and a == b
     return type(a) is type(b) and a == b
-
 
 def agreement(simulated, real):
     """Does a simulated result agree with the real tool's (rule above)? (content, is_error) each -> None when
@@ -798,7 +767,6 @@ def agreement(simulated, real):
         if not _same_fact(a[path], v):
             return "different values", f"{path or 'result'}: simulated {a[path]!r}, real {v!r}"[:240]
     return None
-
 
 class SimulatedShop(env.Shop):
     """The shop whose tool results come from an LLM given the tool's schema, the call and the db slice it may use.
@@ -857,7 +825,6 @@ class SimulatedShop(env.Shop):
 
 EPISODE_KEY = "mua-rl/episode"
 DB_URI = "mua-rl://db"
-
 
 def make_server(db, max_episodes=16):
     """A low-level MCP Server over `db` (the session db, mutated in place by calls without an episode)."""
@@ -924,7 +891,6 @@ def make_server(db, max_episodes=16):
                   on_list_resources=on_list_resources, on_list_resource_templates=on_list_resource_templates,
                   on_read_resource=on_read_resource)
 
-
 def serve_mcp(db_path, max_episodes=16):
     """Serve the retail tools over stdio until stdin closes. stdout is the wire: log to stderr only."""
     import anyio
@@ -937,7 +903,6 @@ def serve_mcp(db_path, max_episodes=16):
 
     print(f"mcp server pid {os.getpid()} serving {db_path}", file=sys.stderr, flush=True)
     anyio.run(run)
-
 
 class MCPToolClient:
     """Blocking MCP client over its own server subprocess; a context manager. `command`: the server argv without the
@@ -1049,7 +1014,6 @@ class MCPToolClient:
 
     def __exit__(self, *exc):
         self.close()
-
 
 class MCPShop(env.Shop):
     """The shop served by synth.py's MCP server: an episode's state is its episode key on the server, its calls go

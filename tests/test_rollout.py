@@ -1444,13 +1444,13 @@ def test_too_large_model_stops_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     monkeypatch.setattr(rollout, "host_memory_per_rank", lambda: 1024 * rollout.GiB)
     scale = rollout.ModelSetup.resolve(fsdp="auto", cpu_offload=False, activation_checkpointing="auto", lora_rank=0,
-                                  lora_alpha=None, n_ranks=1, device="cuda:0")
+                                       lora_alpha=None, n_ranks=1, device="cuda:0")
     with pytest.raises(SystemExit) as e:
         scale.check_memory(str(tmp_path), beta=0.001, vllm_fraction=0.5, seq_len=16384, micro_batch=1)
     msg = str(e.value)
     assert "32.76B parameters" in msg and "does not fit 1 GPU" in msg and "optimizer" in msg and "--fsdp on" in msg
     sharded = rollout.ModelSetup.resolve(fsdp="on", cpu_offload=False, activation_checkpointing="on", lora_rank=0,
-                                    lora_alpha=None, n_ranks=16, device="cuda:0")
+                                         lora_alpha=None, n_ranks=16, device="cuda:0")
     assert sharded.check_memory(str(tmp_path), seq_len=4096, micro_batch=1)["fits"]  # SFT of 32B over 16 GPUs
 
 
