@@ -113,7 +113,8 @@ def main_defaults(module, entry):
     import tempfile
     from unittest import mock
     seen, here = {}, os.getcwd()
-    with tempfile.TemporaryDirectory() as empty, mock.patch.object(module, entry, lambda *a, **kw: seen.update(vars(a[0]) if a else kw)):
+    record = lambda *a, **kw: seen.update(vars(a[0]) if a else kw)  # noqa: E731
+    with tempfile.TemporaryDirectory() as empty, mock.patch.object(module, entry, record):
         os.chdir(empty)
         try:
             module.main([])
