@@ -232,7 +232,7 @@ def main(argv=None):
     g.add_argument("--db", dest="db_file", default=None, help="the db.json the --tasks run on")
     g.add_argument("--domain", default=None, choices=env.TAU2_DOMAINS,
                    help="a tau2-bench domain, run and scored by tau2's own code (needs requirements-tau2.txt)")
-    g.add_argument("--split", default="train", help="with --domain: tau2's task split to train on")
+    g.add_argument("--split", default="train", help="with --domain: tau2's task split to train on (or --tasks: a file)")
     g.add_argument("--policy-file", default=None,
                    help="domain policy for the agent's system prompt (default: policy.md beside --tasks, if there; "
                         "'none': the generated shop's short prompt)")
@@ -310,8 +310,9 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
     users = user_backend(user, user_model, concurrency=llm_concurrency, deadline=llm_deadline)
     guidelines = env.load_guidelines(user_guidelines) if user_guidelines else None
     if domain:  # a tau2 domain on tau2's code: its split, tools, policy, users and evaluator
-        world = env.Tau2(domain, user=users, guidelines=guidelines, max_turns=max_turns)
-        train_tasks, tasks_path = world.tasks(split), f"tau2 {domain} split {split}"
+        world = env.Tau2(domain, db=db_file, user=users, guidelines=guidelines, max_turns=max_turns)
+        train_tasks = world.tasks(split, path=tasks_file)  # a tasks file in tau2's format replaces the split
+        tasks_path = tasks_file or f"tau2 {domain} split {split}"
     else:
         tasks_path = tasks_file or os.path.join(data_dir, "train_tasks.jsonl")
         beside = env.guidelines_beside(tasks_file)  # tau2's, where its tasks file sits in tau2's data layout

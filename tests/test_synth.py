@@ -751,6 +751,13 @@ def test_agreement_rule():
     price["items"][0]["price"] = 24.5
     assert synth.agreement((json.dumps(price), False), real) == (
         "different values", "items[0].price: simulated 24.5, real 24.0")
+    # amounts are facts to the cent: a cent off, or under 1% off, is a different value (a tolerance would pass them)
+    for sim_price, real_price in [(24.01, 24.0), (1009.0, 1000.0), (999.99, 1000.0)]:
+        near, truth = copy.deepcopy(order), copy.deepcopy(order)
+        near["items"][0]["price"], truth["items"][0]["price"] = sim_price, real_price
+        assert synth.agreement((json.dumps(near), False), (json.dumps(truth), False)) == (
+            "different values", f"items[0].price: simulated {sim_price!r}, real {real_price!r}")
+        assert synth.agreement((str(sim_price), False), (str(real_price), False))[0] == "different values"
     missing = {k: v for k, v in order.items() if k != "address"}
     assert synth.agreement((json.dumps(missing), False), real)[0] == "different fields"
     # errors: two agree whatever the wording; one against an answer does not

@@ -111,8 +111,8 @@ def test_fresh_world_is_fast_and_its_own():
 
 class ToolUser(util.FakeOpenAIServer):
     """An OpenAI-compatible user that answers with native tool calls: its first line is text; after the agent
-    speaks it toggles airplane mode, then calls a tool that does not exist, then stops. With always=True it never
-    stops calling tools."""
+    speaks it toggles airplane mode, then calls a tool that does not exist, then says so, and stops at the agent's
+    next turn. With always=True it never stops calling tools."""
 
     def __init__(self, always=False):
         self.always, self.requests = always, []
@@ -130,8 +130,8 @@ class ToolUser(util.FakeOpenAIServer):
         elif n_tool == 1:
             call = ("no_such_tool", '{"x": 1}')
         message = {"role": "assistant", "content": "My phone has no service." if len(msgs) <= 2 else None}
-        if n_tool >= 2 and not self.always:
-            message["content"] = "It works now, thanks. ###STOP###"
+        if n_tool >= 2 and not self.always:  # its own results last: it speaks; the agent answered: it stops
+            message["content"] = "It works now." if msgs[-1]["role"] == "tool" else "Thanks. ###STOP###"
         if call:
             message["tool_calls"] = [{"id": f"c{n_tool}", "type": "function",
                                       "function": {"name": call[0], "arguments": call[1]}}]
@@ -179,16 +179,44 @@ def test_dual_control_with_fake_llm_user():
                                                                          for t in domain("telecom").user_tools}
     assert "You have some tools" in srv.requests[-1]["messages"][0]["content"]
     assert any(m["role"] == "tool" and "Airplane" in m["content"] for m in srv.requests[-1]["messages"])
+    # the user spoke after its own calls and the agent took another turn, so a leak would sit inside the tokens
+    said = next(k for k, m in enumerate(ep.messages) if m["role"] == "user" and m["content"] == "It works now.")
+    assert ep.messages[said - 1].get("side") == "user" and ep.messages[said + 1]["role"] == "assistant"
     # the agent's tokens: exactly those of the conversation without the user's side (negative control: with it)
     text = tok.decode(ep.ids)
-    assert "Airplane Mode is now ON" in results[0]["content"] and "Airplane Mode is now ON" not in text
+    assert "It works now." in text and "Airplane Mode is now ON" in results[0]["content"]
+    assert not any(leak in text for leak in ("Airplane Mode is now ON", "toggle_airplane_mode", "no_such_tool"))
     ids, mask = rollout.encode_conversation(tok, ep.messages, domain("telecom").tools)
     assert (ids, mask) == (ep.ids, ep.loss_mask)
+    unsided = [{k: v for k, v in m.items() if k != "side"} for m in ep.messages]
+    leaked = rollout.encode_conversation(tok, unsided, domain("telecom").tools)[0]
+    assert leaked != ep.ids and "Airplane Mode is now ON" in tok.decode(leaked)
     assert sum(ep.loss_mask) == ep.turns * len(SayGen(tok).ids)
     # tau2's evaluator replayed the user's calls (a replay that differs would have raised and been reported)
     assert "error" not in ep.reward_info and ep.reward_info["terminated"] == "ok"
     toggled = [m for m in env.tau2_messages(ep.messages) if getattr(m, "tool_calls", None)]
     assert toggled and toggled[0].tool_calls[0].requestor == "user"
+
+
+def test_tau2_messages_keep_each_side_on_calls_and_their_results():
+    """In the transcript tau2's evaluator (and its NL judge) reads, every call and every tool message answering it
+    carry the side that made the call: the agent's as assistant, the user's own as user."""
+    call = lambda name: {"type": "function", "function": {"name": name, "arguments": "{}"}}  # noqa: E731
+    messages = [{"role": "user", "content": "No service."},
+                {"role": "assistant", "content": "", "tool_calls": [call("get_details_by_id")]},
+                {"role": "tool", "name": "get_details_by_id", "content": "Error: missing id"},
+                {"role": "assistant", "content": "Please toggle airplane mode."},
+                {"role": "user", "side": "user", "content": "", "tool_calls": [call("toggle_airplane_mode"),
+                                                                                call("check_status_bar")]},
+                {"role": "tool", "side": "user", "name": "toggle_airplane_mode", "content": "Airplane Mode is ON"},
+                {"role": "tool", "side": "user", "name": "check_status_bar", "content": "Airplane"},
+                {"role": "user", "content": "Done. ###STOP###"}]
+    out = env.tau2_messages(messages)
+    calls = [(c.name, c.requestor) for m in out for c in getattr(m, "tool_calls", None) or []]
+    results = [(m.content, m.requestor) for m in out if m.role == "tool"]
+    assert calls == [("get_details_by_id", "assistant"), ("toggle_airplane_mode", "user"),
+                     ("check_status_bar", "user")]
+    assert results == [("Error: missing id", "assistant"), ("Airplane Mode is ON", "user"), ("Airplane", "user")]
 
 
 def test_user_that_never_stops_calling_tools_is_ended_by_the_step_limit():
@@ -222,6 +250,68 @@ def test_grpo_two_steps_on_airline_train(tmp_path):
     rows = util.read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and (out / "latest").is_file()
     assert all(r["errored"] == 0 and r["reward_mean"] is not None for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the reward basis on tau2's evaluator: retail task 67 (train split) has only read actions and one fact to say, so an
+# agent that writes nothing matches the database and says nothing: 1 on the "db" basis, 0 on the "task" basis
+
+INFO_TASK = "67"
+
+
+class SilentGold(env.GoldAgent):
+    """The gold agent without the words the task wants said."""
+
+    def __init__(self, task, seed=0):
+        super().__init__(task, seed)
+        self.say = ""
+
+
+def test_reward_basis_db_counts_the_database_alone():
+    d = domain("retail")
+    task = next(t for t in d.tasks("train") if t["id"] == INFO_TASK)
+    assert task["evaluation_criteria"]["communicate_info"] and not env.gold_segments(task)[1:]
+    for agent, want in ((SilentGold, {"db": 1.0, "task": 0.0}), (env.GoldAgent, {"db": 1.0, "task": 1.0})):
+        for basis, reward in want.items():  # the gold agent, which says it, is the control: 1 on both bases
+            ep, = util.scored(d, rollout.run_episodes(rollout.TextAgents(agent), d, [task]), [task], basis)
+            assert ep.end_reason == "user_stop" and ep.reward_info["db_match"]
+            assert (ep.reward, ep.reward_info["basis"]) == (reward, basis), (agent.__name__, basis)
+
+
+def info_task_file(tmp_path):
+    """Task 67 alone in a tasks file in tau2's format."""
+    d = domain("retail")
+    d.tasks("train")
+    path = tmp_path / "tasks.json"
+    path.write_text(d.tasks_by_id[INFO_TASK].model_dump_json())
+    path.write_text("[" + path.read_text() + "]")
+    return path
+
+
+def test_reward_basis_end_to_end_in_evaluate_and_grpo(tmp_path, monkeypatch):
+    """evaluate.py --db-only and grpo.py --reward-basis db on task 67, the policy's sampler replaced by one that says a
+    sentence without the fact (the tiny models cannot end a turn under tau2's long policy): the database basis scores
+    1, the task basis (each stage's default) 0, and each transcript names its basis."""
+    import evaluate
+    import grpo
+    tok = rollout.load_model(rollout.TINY_BASE)[1]
+    monkeypatch.setattr(rollout.HFGenerator, "generate", lambda self, prompts, *a, **kw: SayGen(tok).generate(prompts))
+    tasks = info_task_file(tmp_path)
+    common = ["--models", f"tiny={rollout.TINY_BASE}", "--domain", "retail", "--tasks", str(tasks), "--k", "2",
+              "--max-turns", "4", "--max-len", "8192"]
+    for flags, want in (([], 0.0), (["--db-only"], 1.0)):
+        out = tmp_path / f"eval{len(flags)}"
+        res = evaluate.main(common + flags + ["--out", str(out)])
+        eps = util.read_jsonl(out / "tiny_retail.jsonl")
+        assert res["tiny"]["retail"]["all"]["pass^1"] == want and len(eps) == 2
+        assert all(ep["reward_info"]["basis"] == ("db" if flags else "task") for ep in eps)
+        assert all(ep["end_reason"] == "user_stop" and ep["reward_info"]["db_match"] for ep in eps)
+    for basis, want in (("task", 0.0), ("db", 1.0)):
+        out = tmp_path / f"grpo_{basis}"
+        util.run_main(grpo, model=rollout.TINY_BASE, domain="retail", tasks=tasks, reward_basis=basis, steps=1,
+                      batch_tasks=1, group=2, max_turns=4, max_len=8192, out=out)
+        row, = util.read_jsonl(out / "metrics.jsonl")
+        assert row["errored"] == 0 and row["episodes"] == 2 and row["reward_mean"] == want
 
 
 # ----------------------------------------------------------------------------------------------------
