@@ -146,7 +146,7 @@ class Shop(World):
         if id(task) not in self.gold:
             self.gold[id(task)] = (task, db_hash(gold_db(task, self.db)))
         info = compute_reward(task, self.db, ep.state, ep.messages, basis == "task", self.gold[id(task)][1])
-        ep.reward, ep.reward_info = info.reward, dict(info.__dict__)
+        ep.reward, ep.reward_info = info.reward, dict(info.__dict__, basis=basis)
 
 def policy_text(policy_file=None, tasks_path=None):
     """The file `policy_file`'s text, else tau2's policy.md beside a tasks file; None if none or policy_file "none"."""

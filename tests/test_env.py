@@ -746,10 +746,10 @@ def test_info_communicate(shop, splits):
     eps = play(tasks, shop, make_agent=lambda t, s: Vague(), basis="task")
     for ep in eps:
         assert ep.reward == 0.0 and ep.reward_info["failed"] == "communicate", ep.reward_info
-        assert ep.reward_info["db_match"] is True
+        assert ep.reward_info["db_match"] is True and ep.reward_info["basis"] == "task"
     # without the check the same transcripts score 1 (the shop is untouched, as the gold says)
     eps = play(tasks, shop, make_agent=lambda t, s: Vague())
-    assert all(ep.reward == 1.0 for ep in eps)
+    assert all(ep.reward == 1.0 and ep.reward_info["basis"] == "db" for ep in eps)
 
 
 # ----------------------------------------------------------------------------------------------------
