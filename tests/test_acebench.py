@@ -12,7 +12,7 @@ import pytest
 import evaluate
 from acebench_fixtures import MS, REPAIRS, gold_calls
 from evaluate import ACEBench, ace_check, ace_decode, ace_process
-from rollout import TextAgents, run_episodes
+from rollout import TINY_BASE as TINY, TextAgents, run_episodes
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("MUA_ACEBENCH_DIR") or REPO.parent / "shared" / "acebench")
@@ -169,3 +169,53 @@ def test_gold_replay_passes_every_entry(category):
     assert {t["id"] for ep, t in zip(wrongs, tasks) if ep.reward != 0.0} == unchecked & {t["id"] for t in tasks}
     assert {k: v for t in tasks for x in t["answer"]["ground_truth"] for k, v in x.items()
             if k not in evaluate.ACE_SAVED and t["id"] in unchecked}  # the misspelled classes are there
+
+
+class FakeChat:
+    """An OpenAI-compatible user endpoint's stand-in: says `replies` in order, and keeps what it was sent."""
+
+    def __init__(self, replies):
+        self.replies, self.seen = list(replies), []
+
+    def chat(self, batch, max_new_tokens, temperature, seeds, tools=None):
+        self.seen += batch
+        return [self.replies.pop(0) for _ in batch]
+
+
+def test_an_llm_user_plays_multi_turn():
+    """multi_turn's user is an LLM (any chat backend): told ACEBench's rules and the question, its 'finish
+    conversation' ends the entry; the agent's calls between its words change the state as the authors' do."""
+    task = fixture_tasks("multi_turn")[0]
+    task = {**task, "user_scenario": {"instructions": "You are Grace; send Frank a lunch invitation."}}
+    user = FakeChat(["Please send Frank a message for me.", "I am Grace.", "Thanks. finish conversation"])
+    world = ACEBench("multi_turn", tasks=[task], user=user)
+    calls = ["Sure, who sends it?"] + FIXTURE[task["id"]]["calls"]
+    eps = run_episodes(TextAgents(lambda t, seed: GoldAgent(calls)), world, [task])
+    ep = eps[0]
+    assert "finish conversation" in user.seen[0][0]["content"] and "lunch invitation" in user.seen[0][0]["content"]
+    assert ep.messages[1] == {"role": "user", "content": "Please send Frank a message for me."}
+    assert ep.end_reason == "finish" and evaluate.ace_end_state(ep.state) == FIXTURE[task["id"]]["end_state"]
+    with pytest.raises(SystemExit, match="needs an LLM user"):
+        ACEBench("multi_turn", tasks=[task]).user(task, ep.state, 0)
+
+
+def test_evaluate_runs_acebench(tmp_path):
+    """evaluate.py --bench acebench on a data folder in ACEBench's layout (one entry per category, its answer the
+    fixture's end state): both worlds run and report ACEBench's two figures; a missing file fails in one line."""
+    data = tmp_path / "ACEBench" / "data_all" / "data_en"
+    (data / "possible_answer").mkdir(parents=True)
+    for category in evaluate.ACE_CATEGORIES:
+        key = f"agent_{category}_3"
+        entry = {"id": key, "question": "Do it.", "function": [], "path": [],
+                 **{f: FIXTURE[key][f] for f in ("involved_classes", "initial_config")}}
+        answer = {"id": key, "ground_truth": FIXTURE[key]["end_state"], "mile_stone": FIXTURE[key]["calls"]}
+        (data / f"data_agent_{category}.json").write_text(json.dumps(entry) + "\n")
+        (data / "possible_answer" / f"data_agent_{category}.json").write_text(json.dumps(answer) + "\n")
+    out = evaluate.main(["--bench", "acebench", "--acebench-dir", str(tmp_path), "--models", f"base={TINY}",
+                         "--user", "gold", "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
+    for category in evaluate.ACE_CATEGORIES:
+        s = out["base"][f"acebench_{category}"]
+        assert s["all"]["n"] == 1 and set(s["figures"]) == {"end_to_end_accuracy", "process_accuracy"}
+    (data / "possible_answer" / "data_agent_multi_step.json").unlink()
+    with pytest.raises(SystemExit, match="possible_answer/data_agent_multi_step.json not found"):
+        evaluate.ACEBench("multi_step", tmp_path)
