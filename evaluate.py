@@ -706,8 +706,9 @@ def ace_value(node):
 def ace_decode(text, strict=True):
     """ACEBench's reading of an agent text as calls: brackets added where missing, then the text stripped of
     brackets and quotes at both ends and parsed. -> [(name, {arg: value})], or None where ACEBench would not
-    run it. Positional arguments are dropped, as ACEBench drops them; strict (its agent's check): every element a
-    call, else (its execution role) other elements skipped."""
+    run it. Positional arguments are dropped, as ACEBench drops them; an argument that is a dict is refused (ACEBench
+    reads it as a nested call); strict (its agent's check): every element a call, else (its execution role) other
+    elements skipped."""
     if not text:
         return None
     text = text[1:] if text[0] == " " else text
@@ -724,7 +725,10 @@ def ace_decode(text, strict=True):
                 parts, f = [f.attr] + parts, f.value
             if not isinstance(f, ast.Name) or any(k.arg is None for k in e.keywords):
                 return None
-            calls.append((".".join([f.id] + parts), {k.arg: ace_value(k.value) for k in e.keywords}))
+            args = {k.arg: ace_value(k.value) for k in e.keywords}
+            if any(isinstance(v, dict) for v in args.values()):  # ACEBench renders such a dict as a call, and fails
+                return None
+            calls.append((".".join([f.id] + parts), args))
         return calls or None
     except (SyntaxError, ValueError, RecursionError):
         return None

@@ -76,7 +76,7 @@ def test_parser_takes_literal_calls_only():
     assert ace_decode("[f('dropped', a=1)]") == [("f", {"a": 1})]  # positional arguments dropped, as ACEBench does
     for bad in ["[f(a=__import__('os').system('true'))]", "[f(a=1+1)]", "[f(a=lambda: 1)]", "[f(a=x[0])]",
                 "[f(a=x.y)]", "[f(**{'a': 1})]", "[f(a={**d})]", "[f(a=-x)]", "[f(a=1), 2]", "Sure! [f()]",
-                "[f(a='it's')]", "[f() ] ", "[]", "", "finish", "[f(a='x')] trailing"]:
+                "[f(a='it's')]", "[f() ] ", "[]", "", "finish", "[f(a='x')] trailing", "[f(a={})]", "[f(a={'b': 1})]"]:
         assert ace_decode(bad) is None, bad
     assert ace_decode("[f(a=1), 2]", strict=False) == [("f", {"a": 1})]  # the execution role skips non-calls
 
