@@ -1,6 +1,7 @@
 """
 evaluate.py: pass^k on held-out tasks, tau-bench's way, for one or more models in one or more worlds (env.World):
-the generated shop, tau2-bench's domains on tau2's own code, BFCL v3's multi-turn categories on bfcl-eval's code.
+the generated shop, tau2-bench's domains on tau2's own code, BFCL v3's multi-turn categories on bfcl-eval's code,
+ACEBench's agent categories on our copy of its sandbox and checker.
 
     python evaluate.py                      # the demo's base, cold-start (SFT), MUA-RL (SFT+GRPO), RL-only rows
     python evaluate.py --models sft=out/sft grpo=out/grpo --k 4 --temperature 1.0   # sampled trials
@@ -9,6 +10,7 @@ the generated shop, tau2-bench's domains on tau2's own code, BFCL v3's multi-tur
         --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B \
         --max-turns 30 --max-new-tokens 1024 --max-len 16384
     python evaluate.py --bench bfcl --models sft=out/sft --categories base miss_func --n 20   # BFCL subset
+    python evaluate.py --bench acebench --models sft=out/sft --user http://localhost:8001/v1 --user-model gpt-4o
 
 Every task is played k times per model. pass^k for a task with c successes out of n trials is C(c, k) / C(n, k)
 (the chance that k trials drawn without replacement all succeed), averaged over tasks, with a 95% bootstrap
@@ -494,7 +496,8 @@ class ACEBench(env.World):
 
 
 # ====================================================================================================
-# Machinery: a first reading stops here. bfcl-eval's pieces: its data and types, call strings, its backends' state.
+# Machinery: a first reading stops here. bfcl-eval's pieces (its data and types, call strings, its backends'
+# state), then ACEBench's.
 # ====================================================================================================
 
 def bfcl():
@@ -646,10 +649,9 @@ def bfcl_reset(run_name, entry_id=None):
         del g[key]
 
 
-# ====================================================================================================
+# ----------------------------------------------------------------------------------------------------
 # ACEBench's pieces: its data (found by file name), the call form, the run on the sandbox, the checker, and our own
 # copy of its five sandbox classes (their names, arguments, answers and failures kept: the agent sees them).
-# ====================================================================================================
 
 def ace_folder(folder=None):
     """--acebench-dir, else $MUA_ACEBENCH_DIR, else ../shared/acebench (chenchen0103/ACEBench, any layout)."""
@@ -682,10 +684,16 @@ def ace_tasks(category, folder=None, n=None):
 
 def ace_default_states(folder=None):
     """default_states.json from the data folder, else the copy committed in tests/acebench (built from ACEBench's
-    constructors); digit keys (message and reminder ids) back to ints."""
-    hits = list(ace_folder(folder).rglob(ACE_STATES)) if ace_folder(folder).is_dir() else []
-    path = hits[0] if hits else Path(__file__).resolve().parent / "tests" / "acebench" / ACE_STATES
-    return json.loads(path.read_text(), object_hook=lambda d: {int(k) if k.isdigit() else k: v for k, v in d.items()})
+    constructors); it must hold every attribute the committed copy has. Digit keys (message, reminder ids) -> ints."""
+    own = Path(__file__).resolve().parent / "tests" / "acebench" / ACE_STATES
+    hits = sorted(ace_folder(folder).rglob(ACE_STATES)) if ace_folder(folder).is_dir() else []
+    path = hits[0] if hits else own
+    states = json.loads(path.read_text(), object_hook=lambda d: {int(k) if k.isdigit() else k: v for k, v in d.items()})
+    for name, attrs in json.loads(own.read_text()).items():
+        missing = sorted(set(attrs) - set(states.get(name, {})))
+        if missing:
+            raise SystemExit(f"evaluate.py: {path} has no {name}.{missing[0]} (each class's state at construction)")
+    return states
 
 def ace_value(node):
     """An argument's ast node -> its value: literals, lists, tuples, dicts, negative numbers, and a bare name as

@@ -171,6 +171,15 @@ def test_gold_replay_passes_every_entry(category):
             if k not in evaluate.ACE_SAVED and t["id"] in unchecked}  # the misspelled classes are there
 
 
+@needs_data
+def test_shared_default_states_equal_the_constructors():
+    """../shared's default_states.json (where it has one) holds what the authors' constructors build (our copy)."""
+    hits = sorted(DATA.rglob(evaluate.ACE_STATES))
+    if not hits:
+        pytest.skip(f"no {evaluate.ACE_STATES} under {DATA}: the committed copy is used")
+    assert evaluate.ace_default_states(DATA) == evaluate.ace_default_states(REPO / "tests" / "no_such_folder")
+
+
 class FakeChat:
     """An OpenAI-compatible user endpoint's stand-in: says `replies` in order, and keeps what it was sent."""
 
