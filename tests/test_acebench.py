@@ -208,6 +208,7 @@ def test_an_llm_user_plays_multi_turn():
         ACEBench("multi_turn", tasks=[task]).user(task, ep.state, 0)
 
 
+@pytest.mark.slow  # loads the tiny model: about 10 s
 def test_evaluate_runs_acebench(tmp_path):
     """evaluate.py --bench acebench on a data folder in ACEBench's layout (one entry per category, its answer the
     fixture's end state): both worlds run and report ACEBench's two figures; a missing file fails in one line."""
