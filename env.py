@@ -1379,9 +1379,9 @@ def _calc(expr):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "1 (2)": Python warns before it fails
-            tree = ast.parse(expr, mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise ToolError("Invalid expression") from None
+            tree = ast.parse(expr, filename="<string>", mode="eval").body  # so its words are eval()'s (v1's)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ToolError("Invalid expression", v1=str(e)) from None
     def value(node, depth):
         _refuse_if(depth > MAX_DEPTH, f"Invalid expression: nested deeper than {MAX_DEPTH}")
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -1732,7 +1732,8 @@ _PASSENGERS = {"type": "array", "description": "The passengers, each {first_name
                                                                                          "dob")},
                          "required": ["first_name", "last_name", "dob"]}}
 _CABIN = {"type": "string", "enum": ["basic_economy", "economy", "business"]}
-_PAY = "The payment id in the user's profile, such as 'credit_card_7815826', 'gift_card_7815826', 'certificate_7815826'."
+_PAY = ("The payment id in the user's profile, such as 'credit_card_7815826', 'gift_card_7815826' or "
+        "'certificate_7815826'.")
 _RES = "The reservation id, such as 'ZFA04Y'."
 _CITY = "The {} airport's three-letter code, such as '{}'."
 _AIRLINE_DOCS = {  # name: (description, {argument: description or a JSON schema})
