@@ -136,6 +136,16 @@ def test_loader_names_the_missing_file(tmp_path):
                                                         "communicate_info": ["7"]}}]
 
 
+def test_tau1_flag_excludes_other_worlds(capsys):
+    import evaluate
+    import grpo
+    with pytest.raises(SystemExit):
+        evaluate.main(["--tau1", "retail", "--domain", "retail"])
+    with pytest.raises(SystemExit):
+        grpo.main(["--tau1", "retail", "--tasks", "x.json"])
+    assert capsys.readouterr().err.count("--tau1") >= 2
+
+
 # ----------------------------------------------------------------------------------------------------
 # with v1's data
 
@@ -244,3 +254,25 @@ def test_gold_replay_and_controls(domain):
     for t in mute:
         t["evaluation_criteria"]["communicate_info"] = []
     assert [e.reward for e in replay(w, said, mute)] == [0.0] * len(said) == [0.0] * COUNTS[domain, "test"][1]
+
+
+@pytest.mark.slow
+def test_synth_grpo_evaluate_on_tau1_retail(tmp_path):
+    """The paper's route on the tiny model: synth.py's gold conversations from retail's train split (one call a
+    message, the wiki as the system prompt), a GRPO step on it, evaluate.py on both test splits."""
+    import evaluate
+    import grpo
+    import synth
+    w = world("retail")
+    world("airline")
+    synth.main(["--tau1", "retail", "--split", "train", "--n-tasks", "3", "--data-dir", str(tmp_path)])
+    rows = [json.loads(x) for x in (tmp_path / "sft_tau1_retail.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and rows[0]["messages"][0]["content"] == w.system_prompt
+    assert all(len(m.get("tool_calls", [])) <= 1 for r in rows for m in r["messages"])
+    tiny = str(Path(__file__).resolve().parent / "tiny_sft")
+    grpo.main(["--model", tiny, "--tau1", "retail", "--steps", "1", "--group", "2", "--batch-tasks", "2",
+               "--max-len", "4096", "--max-turns", "2", "--out", str(tmp_path / "grpo")])
+    assert (tmp_path / "grpo" / "latest").is_file()
+    res = evaluate.main(["--models", f"tiny={tiny}", "--tau1", "retail", "airline", "--n-tasks", "2", "--k", "1",
+                         "--max-len", "4096", "--max-turns", "2", "--out", str(tmp_path / "eval")])
+    assert set(res["tiny"]) == {"tau1_retail", "tau1_airline"} and res["tiny"]["tau1_retail"]["all"]["n"] == 2
