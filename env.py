@@ -2,8 +2,9 @@
 env.py: the worlds of MUA-RL and the simulated users who live in them.
 
 Every benchmark is a World, the contract that rollout.run_episodes, grpo.py and evaluate.py use: Shop is tau2-bench's
-retail shop on this file's own tools with tau2's checks and effects; Tau2 is any tau2-bench domain on tau2's own code
-(BFCL v3 is in evaluate.py). The reward is 1 iff the final database hashes like the gold `actions` replayed on a fresh
+retail shop on this file's own tools with tau2's checks and effects; Tau2 is any tau2-bench domain on tau2's own code;
+Tau1 is tau-bench v1's retail (the same tools, v1's differences behind one switch) or airline (BFCL v3 is in
+evaluate.py). The reward is 1 iff the final database hashes like the gold `actions` replayed on a fresh
 copy and (basis "task") every `communicate_info` string appears in an agent message.
 """
 
@@ -1518,8 +1519,8 @@ def tau2_messages(messages):
     return out
 
 # tau-bench v1's airline tools (TAU1 airline): v1's checks in v1's order, its messages and effects, its quirks kept
-# (a failed booking still creates no reservation; gift cards and certificates are not refunded on cancel; flight seats
-# never change). Each is tool(data, **args) -> the text the agent sees.
+# (cancelling refunds no gift card or certificate, seats never change, new ids come from three fixed ones, a missing
+# reservation is 'user not found'). Each is tool(data, **args) -> the text the agent sees.
 
 def book_reservation(data, user_id, origin, destination, flight_type, cabin, flights, passengers, payment_methods,
                      total_baggages, nonfree_baggages, insurance):
@@ -1789,7 +1790,7 @@ TAU1_SCHEMAS = {"retail": [s for s in TOOL_SCHEMAS if s["function"]["name"] != "
 # v1's data as exported to ../shared/tau1/<domain>: the tables (v1's own file names; or one db.json), wiki.md, and a
 # JSON list of tasks per split in v1's Task fields (user_id, actions [{name, kwargs}], instruction, outputs)
 TAU1_TABLES = {"retail": ("orders", "products", "users"), "airline": ("flights", "reservations", "users")}
-TAU1_TASK_FILES = ("tasks_{}.json", "{}.json", "tasks_{}.jsonl", "{}_tasks.json")
+TAU1_TASK_FILES = ("tasks_{}.json", "{}.json", "tasks_{}.jsonl", "{}_tasks.json", "tasks/{}.json")
 
 def tau1_file(folder, names):
     """The first of `names` in folder or its data/ (v1's layout); else one line naming the first and the folder."""
