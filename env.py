@@ -2,8 +2,9 @@
 env.py: the worlds of MUA-RL and the simulated users who live in them.
 
 Every benchmark is a World, the contract that rollout.run_episodes, grpo.py and evaluate.py use: Shop is tau2-bench's
-retail shop on this file's own tools with tau2's checks and effects; Tau2 is any tau2-bench domain on tau2's own code
-(BFCL v3 is in evaluate.py). The reward is 1 iff the final database hashes like the gold `actions` replayed on a fresh
+retail shop on this file's own tools with tau2's checks and effects; Tau2 is any tau2-bench domain on tau2's own code;
+Tau1 is tau-bench v1's retail (the same tools, v1's differences behind one switch) or airline (BFCL v3 is in
+evaluate.py). The reward is 1 iff the final database hashes like the gold `actions` replayed on a fresh
 copy and (basis "task") every `communicate_info` string appears in an agent message.
 """
 
@@ -36,6 +37,7 @@ class World:
     user_tools = []         # the user's own tool schemas (dual control)
     transfer_tool = "transfer_to_human_agents"
     trials, unit = None, "episode"  # trials per task where the benchmark fixes them (evaluate.py: else --k)
+    calls_per_message = None  # how many of an agent message's tool calls run (None: all; TAU1: the first)
 
     def __init__(self, *, user=None, guidelines=None, max_turns=30):
         """user: None (the world's own), "gold" (a replay of the task's gold user side) or an LLM chat backend
@@ -70,8 +72,11 @@ class World:
         raise NotImplementedError
 
     def parse(self, text):
-        """The agent's text -> an assistant message, its tool calls under "tool_calls"."""
-        return parse_assistant(text)
+        """The agent's text -> an assistant message, its tool calls under "tool_calls" (those that run)."""
+        msg = parse_assistant(text)
+        if self.calls_per_message and msg.get("tool_calls"):
+            msg["tool_calls"] = msg["tool_calls"][:self.calls_per_message]
+        return msg
 
     def call(self, state, name, arguments, side="agent"):
         """Run one call of the agent or (side "user") the user on this episode's state -> (content, is_error)."""
@@ -233,13 +238,29 @@ def _depth(x, limit=MAX_CALL_DEPTH):
 # the 16 tools with tau2's arguments, checks in the same order, error messages and effects (tau2-bench's retail
 # tools.py; ../shared/notes/tau2_retail_semantics.md), so gold end states hash like tau2's. Each is tool(db, **args)
 # and raises ToolError; read tools return a canonical view, write tools change db in place and return the record.
+# On a V1Data db (TAU1 retail) they are tau-bench v1's tools instead: where v1 differs, `_v1(db)` is the one switch.
 
 class ToolError(Exception):
-    """A tool refused the call; the message is what the agent sees after 'Error: '."""
+    """A tool refused the call; the message is what the agent sees after 'Error: '. v1: v1's words where they are not
+    the message lower-cased at its start, without its final period."""
 
-def _refuse_if(condition, message):
+    def __init__(self, message, v1=None):
+        super().__init__(message)
+        self.v1 = v1 or message[:1].lower() + message[1:].rstrip(".")
+
+class V1Data(dict):
+    """tau-bench v1's data: its tables of JSON records, kept as stored (v1 has no canonical form)."""
+
+def _v1(db):
+    return isinstance(db, V1Data)
+
+def _refuse_if(condition, message, v1=None):
     if condition:
-        raise ToolError(message)
+        raise ToolError(message, v1)
+
+def _out(db, record, dump):
+    """What a tool returns: tau2's canonical dump of a record, or (v1) the record as stored."""
+    return record if _v1(db) else dump(record)
 
 def calculate(db, expression):
     """Calculate the result of a mathematical expression (evaluated by _calc: model text is never eval'ed)."""
@@ -259,15 +280,18 @@ def _is_gift_card(method):
 def _payment(kind, amount, method_id):
     return {"transaction_type": kind, "amount": amount, "payment_method_id": method_id}
 
-def _new_address(address1, address2, city, state, country, zip):
-    # field order of tau2's UserAddress (country before state), which shows in tool output
+def _new_address(db, address1, address2, city, state, country, zip):
+    # field order of tau2's UserAddress (country before state; v1: state first), which shows in tool output
+    if _v1(db):
+        return {"address1": address1, "address2": address2, "city": city, "state": state, "country": country,
+                "zip": zip}
     return {"address1": address1, "address2": address2, "city": city, "country": country, "state": state, "zip": zip}
 
-def _check_items(order, item_ids, message):
+def _check_items(order, item_ids, message, v1="{} not found"):
     """Refuse with message.format(id) for the first id that item_ids holds more often than the order does."""
     have = [it["item_id"] for it in order["items"]]
     extra = next((i for i in item_ids if item_ids.count(i) > have.count(i)), None)
-    _refuse_if(extra is not None, message.format(extra))
+    _refuse_if(extra is not None, message.format(extra), v1 and v1.format(extra))
 
 def _item(order, item_id):
     item = next((it for it in order["items"] if it["item_id"] == item_id), None)
@@ -280,7 +304,9 @@ def _price_diff(db, order, item_ids, new_item_ids, reject_same):
     for item_id, new_item_id in zip(item_ids, new_item_ids):
         _refuse_if(reject_same and item_id == new_item_id, "The new item id should be different from the old item id")
         item = _item(order, item_id)
-        variant = _find(_find(db["products"], item["product_id"], "Product")["variants"], new_item_id, "Variant")
+        variants = _find(db["products"], item["product_id"], "Product")["variants"]
+        _refuse_if(new_item_id not in variants, "Variant not found", f"new item {new_item_id} not found or available")
+        variant = variants[new_item_id]
         _refuse_if(not variant["available"], f"New item {new_item_id} not found or available")
         diff += variant["price"] - item["price"]
     return diff, variant
@@ -299,7 +325,7 @@ def cancel_pending_order(db, order_id, reason):
             method["balance"] = round(method["balance"] + p["amount"], 2)
     order["status"], order["cancel_reason"] = "cancelled", reason
     order["payment_history"].extend(refunds)
-    return _order(order)
+    return _out(db, order, _order)
 
 def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
     """Request an exchange of delivered items; no money moves now, the rounded price difference is recorded."""
@@ -314,7 +340,7 @@ def exchange_delivered_order_items(db, order_id, item_ids, new_item_ids, payment
     # each list sorted on its own: the pairing is lost, as in tau2
     order.update(status="exchange requested", exchange_items=sorted(item_ids), exchange_new_items=sorted(new_item_ids),
                  exchange_payment_method_id=payment_method_id, exchange_price_difference=diff)
-    return _order(order)
+    return _out(db, order, _order)
 
 def find_user_id_by_name_zip(db, first_name, last_name, zip):
     """Find a user id by first name, last name (case-insensitive) and exact zip code."""
@@ -334,10 +360,10 @@ def find_user_id_by_email(db, email):
     raise ToolError("User not found")
 
 def get_order_details(db, order_id):
-    return _order(_find(db["orders"], order_id, "Order"))
+    return _out(db, _find(db["orders"], order_id, "Order"), _order)
 
 def get_product_details(db, product_id):
-    return _product(_find(db["products"], product_id, "Product"))
+    return _out(db, _find(db["products"], product_id, "Product"), _product)
 
 def get_item_details(db, item_id):
     for p in db["products"].values():
@@ -346,7 +372,7 @@ def get_item_details(db, item_id):
     raise ToolError("Item not found")
 
 def get_user_details(db, user_id):
-    return _user(_find(db["users"], user_id, "User"))
+    return _out(db, _find(db["users"], user_id, "User"), _user)
 
 def list_all_product_types(db):
     """A JSON string mapping product names to product ids, sorted by name."""
@@ -354,38 +380,44 @@ def list_all_product_types(db):
 
 def modify_pending_order_address(db, order_id, address1, address2, city, state, country, zip):
     order = _find(db["orders"], order_id, "Order")
-    # a loose check, as in tau2: 'pending (item modified)' passes too
-    _refuse_if("pending" not in order["status"], "Non-pending order cannot be modified")
-    order["address"] = _new_address(address1, address2, city, state, country, zip)
-    return _order(order)
+    # a loose check, as in tau2: 'pending (item modified)' passes too (not in v1)
+    _refuse_if(order["status"] != "pending" if _v1(db) else "pending" not in order["status"],
+               "Non-pending order cannot be modified")
+    order["address"] = _new_address(db, address1, address2, city, state, country, zip)
+    return _out(db, order, _order)
 
 def modify_pending_order_items(db, order_id, item_ids, new_item_ids, payment_method_id):
     """Swap items of a pending order for other variants of the same products (once per order). As in tau2, every
     modified item gets the price and options of the LAST pair's new variant (a leftover loop variable) and its own
-    item_id, so gold end states hash like tau2's. The price difference is the raw float sum; the balance is rounded."""
-    order = _find(db["orders"], order_id, "Order")
+    item_id, so gold end states hash like tau2's. The price difference is the raw float sum; the balance is rounded.
+    v1: each item gets its own new variant, a new id equal to the old one passes, the amount stays as summed."""
+    order, v1 = _find(db["orders"], order_id, "Order"), _v1(db)
     _refuse_if(order["status"] != "pending", "Non-pending order cannot be modified")
     _check_items(order, item_ids, "{} not found")
     _refuse_if(len(item_ids) != len(new_item_ids), "The number of items to be exchanged should match")
-    diff, variant = _price_diff(db, order, item_ids, new_item_ids, reject_same=True)
+    diff, variant = _price_diff(db, order, item_ids, new_item_ids, reject_same=not v1)
     method = _get_payment_method(db, order["user_id"], payment_method_id)
     _refuse_if(_is_gift_card(method) and method["balance"] < diff,
                "Insufficient gift card balance to pay for the new item")
     # a zero difference is recorded as a refund of 0.0 (pydantic makes the amount a float)
-    order["payment_history"].append(_payment("payment" if diff > 0 else "refund", float(abs(diff)), payment_method_id))
+    amount = abs(diff) if v1 else float(abs(diff))
+    order["payment_history"].append(_payment("payment" if diff > 0 else "refund", amount, payment_method_id))
     if _is_gift_card(method):
         method["balance"] = round(method["balance"] - diff, 2)
     for item_id, new_item_id in zip(item_ids, new_item_ids):
         item = _item(order, item_id)  # re-found after earlier pairs renamed items, as in tau2
+        if v1:
+            variant = db["products"][item["product_id"]]["variants"][new_item_id]
         item["item_id"] = new_item_id
         item["price"] = variant["price"]  # the quirk: last pair's variant, not this pair's
         item["options"] = dict(variant["options"])
     order["status"] = "pending (item modified)"
-    return _order(order)
+    return _out(db, order, _order)
 
 def modify_pending_order_payment(db, order_id, payment_method_id):
     order = _find(db["orders"], order_id, "Order")
-    _refuse_if("pending" not in order["status"], "Non-pending order cannot be modified")
+    _refuse_if(order["status"] != "pending" if _v1(db) else "pending" not in order["status"],
+               "Non-pending order cannot be modified")
     method = _get_payment_method(db, order["user_id"], payment_method_id)
     history = order["payment_history"]
     _refuse_if(len(history) != 1 or history[0]["transaction_type"] != "payment",
@@ -400,27 +432,31 @@ def modify_pending_order_payment(db, order_id, payment_method_id):
     old = _get_payment_method(db, order["user_id"], old_id)  # looked up after the writes, as in tau2
     if _is_gift_card(old):
         old["balance"] = round(old["balance"] + amount, 2)
-    return _order(order)
+    return _out(db, order, _order)
 
 def modify_user_address(db, user_id, address1, address2, city, state, country, zip):
     user = _find(db["users"], user_id, "User")
-    user["address"] = _new_address(address1, address2, city, state, country, zip)
-    return _user(user)
+    user["address"] = _new_address(db, address1, address2, city, state, country, zip)
+    return _out(db, user, _user)
 
 def return_delivered_order_items(db, order_id, item_ids, payment_method_id):
     """Request a return; the refund goes to the original method or a gift card, later."""
     order = _find(db["orders"], order_id, "Order")
     _refuse_if(order["status"] != "delivered", "Non-delivered order cannot be returned")
-    user = _find(db["users"], order["user_id"], "User")
-    method = _get_payment_method(db, user["user_id"], payment_method_id)
+    method = _get_payment_method(db, order["user_id"], payment_method_id)
     _refuse_if(not _is_gift_card(method) and payment_method_id != order["payment_history"][0]["payment_method_id"],
-               "Payment method should be the original payment method")
-    _check_items(order, item_ids, "Some item not found")
+               "Payment method should be the original payment method",
+               "payment method should be either the original payment method or a gift card")
+    _check_items(order, item_ids, "Some item not found", v1=None)
     order.update(status="return requested", return_items=sorted(item_ids), return_payment_method_id=payment_method_id)
-    return _order(order)
+    return _out(db, order, _order)
 
 def transfer_to_human_agents(db, summary):
     return "Transfer successful"
+
+def think(db, thought):
+    """v1's (TAU1 only): a thought for the log; nothing changes."""
+    return ""
 
 TOOLS = {f.__name__: f for f in (
     calculate, cancel_pending_order, exchange_delivered_order_items, find_user_id_by_name_zip, find_user_id_by_email,
@@ -760,10 +796,12 @@ class GoldUser:
         return "Done, I did that."
 
 class GoldAgent:
-    """Replays a task's gold agent actions, each run in one message, then says what the task wants communicated."""
+    """Replays a task's gold agent actions, each run in one message (at most per_message calls: the world's
+    calls_per_message), then says what the task wants communicated."""
 
-    def __init__(self, task, seed=0):
-        self.todo = gold_segments(task)
+    def __init__(self, task, seed=0, per_message=None):
+        self.todo = [(side, run[i:i + (per_message or len(run))]) for side, run in gold_segments(task)
+                     for i in range(0, len(run), per_message or len(run))]
         self.say = " ".join(str(i) for i in task["evaluation_criteria"].get("communicate_info") or [])
 
     def act(self, messages):
@@ -1060,6 +1098,109 @@ def judge_nl(task, messages, judge):
         return None
 
 
+
+# ----------------------------------------------------------------------------------------------------
+# tau-bench v1 (TAU1, MUA-RL's training domain): retail and airline on v1's data, wiki.md as the policy, v1's tools
+# (retail: env.py's on V1Data; airline: its own, below the fence) and v1's harness and reward (its Env, run.py)
+
+TAU1_DOMAINS = ("retail", "airline")
+TAU1_DIR = os.environ.get("MUA_TAU1_DIR") or str(Path(__file__).resolve().parent.parent / "shared" / "tau1")
+TAU1_USER_RULES = """You are a user talking to a customer service agent. Follow the instruction below.
+- Write one line at a time, as the user would.
+- Do not give away the whole instruction at once; give only what the current step needs.
+- Do not make up what the instruction does not say: if asked for something you do not have, say so.
+- When the instruction's goal is met, reply with '###STOP###' alone to end the conversation.
+- Do not repeat the instruction word for word; say it in your own words, naturally, in the instruction's persona."""
+
+class Tau1(World):
+    """One v1 domain from `root`/<domain> (default TAU1_DIR). As v1: the wiki is the whole system prompt, only the
+    first tool call of a message runs, any call of transfer_to_human_agents ends the episode, 30 agent messages. The
+    reward: the data hash after the gold actions (transfers skipped) and every `outputs` string said in a reply
+    without a tool call (case-insensitive, commas removed). The own user: the gold replay (GoldUser)."""
+    calls_per_message = 1
+
+    def __init__(self, domain, *, root=None, user=None, guidelines=None, max_turns=30):
+        super().__init__(user=user, guidelines=guidelines or TAU1_USER_RULES, max_turns=max_turns)
+        if domain not in TAU1_DOMAINS:
+            raise SystemExit(f"unknown TAU1 domain {domain!r}; valid: {', '.join(TAU1_DOMAINS)}")
+        self.name, self.domain, self.folder = f"tau1_{domain}", domain, Path(root or TAU1_DIR) / domain
+        self.data = load_tau1_data(domain, self.folder)
+        self.system_prompt = tau1_file(self.folder, ["wiki.md"]).read_text()
+        self.funcs, self.tools = TAU1_TOOLS[domain], TAU1_SCHEMAS[domain]
+        self.gold = {}  # id(task) -> (task, gold hash)
+
+    def tasks(self, split="test", path=None):
+        """v1's tasks of a split as dicts, ids their index: test (retail 115, airline 50), train (500), dev (20)."""
+        return load_tau1_tasks(path or tau1_file(self.folder, [n.format(split) for n in TAU1_TASK_FILES]),
+                               self.name)
+
+    def reset(self, task):
+        return V1Data({t: CowDict(records) for t, records in self.data.items()})  # v1 reloads its JSON instead
+
+    def own_user(self, task, state, seed):
+        return GoldUser(task, seed)
+
+    def call(self, state, name, arguments, side="agent"):
+        if side == "user":
+            return f"Error: the user has no tools here (called {name!r})", True
+        return tau1_call(self.funcs, state, name, arguments)
+
+    def end(self, ep):
+        last = ep.messages[-1] if ep.messages else {}
+        if last.get("role") == "tool" and last.get("name") == self.transfer_tool:
+            return "transfer"
+        return "max_turns" if ep.turns >= self.max_turns else None
+
+    def gold_state(self, task):
+        state = self.reset(task)
+        for a in task["evaluation_criteria"]["actions"]:
+            if a["name"] != self.transfer_tool:
+                self.call(state, a["name"], a["arguments"])
+        return state
+
+    def score(self, ep, task, basis="task"):
+        if id(task) not in self.gold:
+            self.gold[id(task)] = (task, tau1_hash(self.gold_state(task)))
+        db_match = tau1_hash(ep.state) == self.gold[id(task)][1]
+        said = [m["content"].lower().replace(",", "") for m in ep.messages
+                if m["role"] == "assistant" and not m.get("tool_calls") and isinstance(m.get("content"), str)]
+        outputs = {o: any(o.lower() in s for s in said) for o in task["evaluation_criteria"]["communicate_info"]}
+        ep.reward = float(db_match and (basis == "db" or all(outputs.values())))
+        ep.reward_info = {"reward": ep.reward, "db_match": db_match, "outputs": outputs, "basis": basis}
+
+    def summary(self, eps):
+        return {"world": f"tau-bench v1 {self.domain} ({self.folder})"}
+
+def tau1_call(funcs, db, name, arguments):
+    """One call as v1's Env.step runs it -> (observation, is_error): no checks of the arguments, any exception
+    answered 'Error: <e>' (a bad signature in v1's words: its tool classes are the CamelCase names)."""
+    if name not in funcs:
+        return f"Unknown action {name}", True
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (ValueError, RecursionError) as e:
+        return f"Error: invalid JSON arguments: {str(e)[:200]}", True
+    if not isinstance(args, dict):
+        return f"Error: the arguments of tool '{name}' must be a JSON object", True
+    f = funcs[name]
+    try:
+        out = f(db, **args)
+    except ToolError as e:
+        return f"Error: {e.v1}"[:MAX_ERROR_CHARS], True
+    except Exception as e:  # noqa: BLE001 - v1 answers every exception
+        camel = "".join(w.capitalize() for w in name.split("_"))
+        return f"Error: {str(e).replace(f'{f.__name__}()', f'{camel}.invoke()')}"[:MAX_ERROR_CHARS], True
+    out = out if isinstance(out, str) else json.dumps(out)
+    return out, out.startswith("Error")
+
+def tau1_hash(data):
+    """v1's consistent_hash(to_hashable(data)): sha256 of str() of the data as nested tuples, dict items sorted."""
+    def hashable(x):
+        if isinstance(x, dict):
+            return tuple((k, hashable(v)) for k, v in sorted(dict.items(x)))  # a CowDict's own storage, uncopied
+        return tuple(hashable(v) for v in x) if isinstance(x, list) else x
+    return hashlib.sha256(str(hashable(data)).encode("utf-8")).hexdigest()
+
 # ====================================================================================================
 # Machinery: a first reading stops here. The database's canonical form, hash and checks; the calculator's
 # evaluator; the adapter between our transcripts and tau2's classes.
@@ -1239,9 +1380,9 @@ def _calc(expr):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "1 (2)": Python warns before it fails
-            tree = ast.parse(expr, mode="eval").body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        raise ToolError("Invalid expression") from None
+            tree = ast.parse(expr, filename="<string>", mode="eval").body  # so its words are eval()'s (v1's)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise ToolError("Invalid expression", v1=str(e)) from None
     def value(node, depth):
         _refuse_if(depth > MAX_DEPTH, f"Invalid expression: nested deeper than {MAX_DEPTH}")
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
@@ -1376,3 +1517,328 @@ def tau2_messages(messages):
         out.append(cls(role=side, content=text, tool_calls=calls or None))
         out += results
     return out
+
+# tau-bench v1's airline tools (TAU1 airline): v1's checks in v1's order, its messages and effects, its quirks kept
+# (cancelling refunds no gift card or certificate, seats never change, new ids come from three fixed ones, a missing
+# reservation is 'user not found'). Each is tool(data, **args) -> the text the agent sees.
+
+def book_reservation(data, user_id, origin, destination, flight_type, cabin, flights, passengers, payment_methods,
+                     total_baggages, nonfree_baggages, insurance):
+    reservations, users = data["reservations"], data["users"]
+    if user_id not in users:
+        return "Error: user not found"
+    user = users[user_id]
+    rid = next((r for r in ("HATHAT", "HATHAU") if r not in reservations), "HATHAV")  # v1: at most 3 a task
+    reservation = {"reservation_id": rid, "user_id": user_id, "origin": origin, "destination": destination,
+                   "flight_type": flight_type, "cabin": cabin, "flights": copy.deepcopy(flights),
+                   "passengers": passengers, "payment_history": payment_methods, "created_at": "2024-05-15T15:00:00",
+                   "total_baggages": total_baggages, "nonfree_baggages": nonfree_baggages, "insurance": insurance}
+    total = 0
+    for flight in reservation["flights"]:
+        n = flight["flight_number"]
+        if n not in data["flights"]:
+            return f"Error: flight {n} not found"
+        f = data["flights"][n]
+        if flight["date"] not in f["dates"]:
+            return f"Error: flight {n} not found on date {flight['date']}"
+        day = f["dates"][flight["date"]]
+        if day["status"] != "available":
+            return f"Error: flight {n} not available on date {flight['date']}"
+        if day["available_seats"][cabin] < len(passengers):
+            return f"Error: not enough seats on flight {n}"
+        flight["price"], flight["origin"], flight["destination"] = day["prices"][cabin], f["origin"], f["destination"]
+        total += flight["price"] * len(passengers)
+    if insurance == "yes":
+        total += 30 * len(passengers)
+    total += 50 * nonfree_baggages
+    for p in payment_methods:
+        pid, amount = p["payment_id"], p["amount"]
+        if pid not in user["payment_methods"]:
+            return f"Error: payment method {pid} not found"
+        if user["payment_methods"][pid]["source"] in ["gift_card", "certificate"]:
+            if user["payment_methods"][pid]["amount"] < amount:
+                return f"Error: not enough balance in payment method {pid}"
+    if sum(p["amount"] for p in payment_methods) != total:
+        return (f"Error: payment amount does not add up, total price is {total}, but paid "
+                f"{sum(p['amount'] for p in payment_methods)}")
+    for p in payment_methods:
+        method = user["payment_methods"][p["payment_id"]]
+        if method["source"] == "gift_card":
+            method["amount"] -= p["amount"]
+        elif method["source"] == "certificate":
+            del user["payment_methods"][p["payment_id"]]
+    reservations[rid] = reservation
+    user["reservations"].append(rid)
+    return json.dumps(reservation)
+
+def cancel_reservation(data, reservation_id):
+    if reservation_id not in data["reservations"]:
+        return "Error: reservation not found"
+    reservation = data["reservations"][reservation_id]
+    refunds = [{"payment_id": p["payment_id"], "amount": -p["amount"]} for p in reservation["payment_history"]]
+    reservation["payment_history"].extend(refunds)
+    reservation["status"] = "cancelled"
+    return json.dumps(reservation)
+
+def get_reservation_details(data, reservation_id):
+    if reservation_id in data["reservations"]:
+        return json.dumps(data["reservations"][reservation_id])
+    return "Error: user not found"  # sic
+
+def airline_get_user_details(data, user_id):
+    if user_id in data["users"]:
+        return json.dumps(data["users"][user_id])
+    return "Error: user not found"
+
+AIRPORTS = {"SFO": "San Francisco", "JFK": "New York", "LAX": "Los Angeles", "ORD": "Chicago", "DFW": "Dallas",
+            "DEN": "Denver", "SEA": "Seattle", "ATL": "Atlanta", "MIA": "Miami", "BOS": "Boston", "PHX": "Phoenix",
+            "IAH": "Houston", "LAS": "Las Vegas", "MCO": "Orlando", "EWR": "Newark", "CLT": "Charlotte",
+            "MSP": "Minneapolis", "DTW": "Detroit", "PHL": "Philadelphia", "LGA": "LaGuardia"}
+
+def list_all_airports(data):
+    return json.dumps(AIRPORTS)
+
+def _flight_on(flight, day):
+    """A search result: the flight without its dates, with `day`'s status, seats and prices."""
+    return {**{k: v for k, v in flight.items() if k != "dates"}, **day}
+
+def search_direct_flight(data, origin, destination, date):
+    return json.dumps([_flight_on(f, f["dates"][date]) for f in data["flights"].values()
+                       if f["origin"] == origin and f["destination"] == destination
+                       and date in f["dates"] and f["dates"][date]["status"] == "available"])
+
+def search_onestop_flight(data, origin, destination, date):
+    results = []
+    for f1 in data["flights"].values():
+        if f1["origin"] != origin:
+            continue
+        for f2 in data["flights"].values():
+            if f2["destination"] != destination or f1["destination"] != f2["origin"]:
+                continue
+            date2 = f"2024-05-{int(date[-2:]) + 1}" if "+1" in f1["scheduled_arrival_time_est"] else date
+            if f1["scheduled_arrival_time_est"] > f2["scheduled_departure_time_est"]:
+                continue
+            if date in f1["dates"] and date2 in f2["dates"] and f1["dates"][date]["status"] == "available" \
+                    and f2["dates"][date2]["status"] == "available":
+                # v1's second leg shows `date`'s seats and prices (a KeyError where it has none), dated date2
+                results.append([{**_flight_on(f1, f1["dates"][date]), "date": date},
+                                {**_flight_on(f2, f2["dates"][date]), "date": date2}])
+    return json.dumps(results)
+
+def send_certificate(data, user_id, amount):
+    if user_id not in data["users"]:
+        return "Error: user not found"
+    user = data["users"][user_id]
+    for pid in ("certificate_3221322", "certificate_3221323", "certificate_3221324"):  # v1: at most 3 a task
+        if pid not in user["payment_methods"]:
+            user["payment_methods"][pid] = {"source": "certificate", "amount": amount, "id": pid}
+            return f"Certificate {pid} added to user {user_id} with amount {amount}."
+    return None  # v1 then fails outside the tool
+
+def _pay_update(data, reservation, payment_id, total):
+    """update_reservation_*'s payment checks -> an error text or None."""
+    if payment_id not in data["users"][reservation["user_id"]]["payment_methods"]:
+        return "Error: payment method not found"
+    method = data["users"][reservation["user_id"]]["payment_methods"][payment_id]
+    if method["source"] == "certificate":
+        return "Error: certificate cannot be used to update reservation"
+    if method["source"] == "gift_card" and method["amount"] < total:
+        return "Error: gift card balance is not enough"
+    return None
+
+def update_reservation_baggages(data, reservation_id, total_baggages, nonfree_baggages, payment_id):
+    if reservation_id not in data["reservations"]:
+        return "Error: reservation not found"
+    reservation = data["reservations"][reservation_id]
+    total = 50 * max(0, nonfree_baggages - reservation["nonfree_baggages"])
+    if err := _pay_update(data, reservation, payment_id, total):
+        return err
+    method = data["users"][reservation["user_id"]]["payment_methods"][payment_id]
+    reservation["total_baggages"], reservation["nonfree_baggages"] = total_baggages, nonfree_baggages
+    if method["source"] == "gift_card":
+        method["amount"] -= total
+    if total != 0:
+        reservation["payment_history"].append({"payment_id": payment_id, "amount": total})
+    return json.dumps(reservation)
+
+def update_reservation_flights(data, reservation_id, cabin, flights, payment_id):
+    if reservation_id not in data["reservations"]:
+        return "Error: reservation not found"
+    reservation, total, flights = data["reservations"][reservation_id], 0, copy.deepcopy(flights)
+    n_pass = lambda: len(reservation["passengers"])  # noqa: E731 - counted where v1 counts (the list may be broken)
+    for flight in flights:
+        old = [f for f in reservation["flights"] if f["flight_number"] == flight["flight_number"]
+               and f["date"] == flight["date"] and cabin == reservation["cabin"]]
+        if old:  # a kept segment keeps its price
+            total += old[0]["price"] * n_pass()
+            flight["price"], flight["origin"], flight["destination"] = (old[0]["price"], old[0]["origin"],
+                                                                        old[0]["destination"])
+            continue
+        n = flight["flight_number"]
+        if n not in data["flights"]:
+            return f"Error: flight {n} not found"
+        f = data["flights"][n]
+        if flight["date"] not in f["dates"]:
+            return f"Error: flight {n} not found on date {flight['date']}"
+        day = f["dates"][flight["date"]]
+        if day["status"] != "available":
+            return f"Error: flight {n} not available on date {flight['date']}"
+        if day["available_seats"][cabin] < n_pass():
+            return f"Error: not enough seats on flight {n}"
+        flight["price"], flight["origin"], flight["destination"] = day["prices"][cabin], f["origin"], f["destination"]
+        total += flight["price"] * n_pass()
+    total -= sum(f["price"] for f in reservation["flights"]) * n_pass()
+    if err := _pay_update(data, reservation, payment_id, total):
+        return err
+    method = data["users"][reservation["user_id"]]["payment_methods"][payment_id]
+    if method["source"] == "gift_card":
+        method["amount"] -= total
+    reservation["flights"] = flights
+    if total != 0:
+        reservation["payment_history"].append({"payment_id": payment_id, "amount": total})
+    return json.dumps(reservation)
+
+def update_reservation_passengers(data, reservation_id, passengers):
+    if reservation_id not in data["reservations"]:
+        return "Error: reservation not found"
+    reservation = data["reservations"][reservation_id]
+    if len(passengers) != len(reservation["passengers"]):
+        return "Error: number of passengers does not match"
+    reservation["passengers"] = passengers
+    return json.dumps(reservation)
+
+TAU1_TOOLS = {
+    "retail": {f.__name__: f for f in (
+        calculate, cancel_pending_order, exchange_delivered_order_items, find_user_id_by_email,
+        find_user_id_by_name_zip, get_order_details, get_product_details, get_user_details, list_all_product_types,
+        modify_pending_order_address, modify_pending_order_items, modify_pending_order_payment, modify_user_address,
+        return_delivered_order_items, think, transfer_to_human_agents)},
+    "airline": {"book_reservation": book_reservation, "calculate": calculate, "cancel_reservation": cancel_reservation,
+                "get_reservation_details": get_reservation_details, "get_user_details": airline_get_user_details,
+                "list_all_airports": list_all_airports, "search_direct_flight": search_direct_flight,
+                "search_onestop_flight": search_onestop_flight, "send_certificate": send_certificate,
+                "think": think, "transfer_to_human_agents": transfer_to_human_agents,
+                "update_reservation_baggages": update_reservation_baggages,
+                "update_reservation_flights": update_reservation_flights,
+                "update_reservation_passengers": update_reservation_passengers}}
+
+# the agent's schemas (descriptions paraphrase v1's); retail: env.py's own, less get_item_details, plus think
+_THINK = _schema("think", "Think about something: nothing is looked up or changed, the thought is only logged. Use "
+                 "it for complex reasoning.", {"thought": "A thought to think about."})
+_FLIGHTS = {"type": "array", "description": "The flights, each {flight_number such as 'HAT001', date 'YYYY-MM-DD'}.",
+            "items": {"type": "object", "properties": {"flight_number": {"type": "string"}, "date": {"type": "string"}},
+                      "required": ["flight_number", "date"]}}
+_PASSENGERS = {"type": "array", "description": "The passengers, each {first_name, last_name, dob 'YYYY-MM-DD'}.",
+               "items": {"type": "object", "properties": {k: {"type": "string"} for k in ("first_name", "last_name",
+                                                                                         "dob")},
+                         "required": ["first_name", "last_name", "dob"]}}
+_CABIN = {"type": "string", "enum": ["basic_economy", "economy", "business"]}
+_PAY = ("The payment id in the user's profile, such as 'credit_card_7815826', 'gift_card_7815826' or "
+        "'certificate_7815826'.")
+_RES = "The reservation id, such as 'ZFA04Y'."
+_CITY = "The {} airport's three-letter code, such as '{}'."
+_AIRLINE_DOCS = {  # name: (description, {argument: description or a JSON schema})
+    "book_reservation": ("Book a reservation.", {
+        "user_id": "The id of the user who books, such as 'sara_doe_496'.", "origin": _CITY.format("origin", "SFO"),
+        "destination": _CITY.format("destination", "JFK"), "flight_type": {"type": "string",
+                                                                           "enum": ["one_way", "round_trip"]},
+        "cabin": _CABIN, "flights": _FLIGHTS, "passengers": _PASSENGERS,
+        "payment_methods": {"type": "array", "description": "How it is paid: each {payment_id, amount}.",
+                            "items": {"type": "object", "properties": {"payment_id": {"type": "string"},
+                                                                       "amount": {"type": "number"}},
+                                      "required": ["payment_id", "amount"]}},
+        "total_baggages": {"type": "integer", "description": "All checked bags of the reservation."},
+        "nonfree_baggages": {"type": "integer", "description": "The checked bags that are paid for."},
+        "insurance": {"type": "string", "enum": ["yes", "no"]}}),
+    "calculate": _TOOL_DOCS["calculate"],
+    "cancel_reservation": ("Cancel a whole reservation.", {"reservation_id": _RES}),
+    "get_reservation_details": ("Get the details of a reservation.", {"reservation_id": _RES}),
+    "get_user_details": ("Get the details of a user, with their reservations.", {"user_id": _USER_ID}),
+    "list_all_airports": ("List every airport and its city.", {}),
+    "search_direct_flight": ("Search the direct flights between two airports on a date.", {
+        "origin": _CITY.format("origin", "JFK"), "destination": _CITY.format("destination", "LAX"),
+        "date": "The date, 'YYYY-MM-DD', such as '2024-05-01'."}),
+    "search_onestop_flight": ("Search the flights with one stop between two airports on a date.", {
+        "origin": _CITY.format("origin", "JFK"), "destination": _CITY.format("destination", "LAX"),
+        "date": "The date, 'YYYY-MM-DD', such as '2024-05-01'."}),
+    "send_certificate": ("Send a user a certificate. Be careful!", {
+        "user_id": _USER_ID, "amount": {"type": "number", "description": "The certificate's amount."}}),
+    "think": None, "transfer_to_human_agents": (
+        "Transfer the user to a human agent with a summary of the issue. Only when the user asks for a human "
+        "agent, or the issue cannot be solved with the tools available.", {"summary": "A summary of the issue."}),
+    "update_reservation_baggages": ("Update the checked bags of a reservation.", {
+        "reservation_id": _RES, "total_baggages": {"type": "integer", "description": "The new number of bags."},
+        "nonfree_baggages": {"type": "integer", "description": "The new number of paid bags."}, "payment_id": _PAY}),
+    "update_reservation_flights": ("Update the flights of a reservation.", {
+        "reservation_id": _RES, "cabin": _CABIN, "flights": {**_FLIGHTS, "description": "Every flight of the whole "
+                                                             "new reservation, unchanged segments included."},
+        "payment_id": _PAY}),
+    "update_reservation_passengers": ("Update the passengers of a reservation.", {
+        "reservation_id": _RES, "passengers": _PASSENGERS}),
+}
+
+def _v1_schema(name, doc):
+    if doc is None:
+        return _THINK
+    props = {a: {"type": "string", "description": d} if isinstance(d, str) else d for a, d in doc[1].items()}
+    return {"type": "function", "function": {"name": name, "description": doc[0], "parameters": {
+        "type": "object", "properties": props, "required": list(props)}}}
+
+TAU1_SCHEMAS = {"retail": [s for s in TOOL_SCHEMAS if s["function"]["name"] != "get_item_details"] + [_THINK],
+                "airline": [_v1_schema(n, d) for n, d in _AIRLINE_DOCS.items()]}
+
+# v1's data as exported to ../shared/tau1/<domain>: the tables (v1's own file names; or one db.json), wiki.md, and a
+# JSON list of tasks per split in v1's Task fields (user_id, actions [{name, kwargs}], instruction, outputs)
+TAU1_TABLES = {"retail": ("orders", "products", "users"), "airline": ("flights", "reservations", "users")}
+TAU1_TASK_FILES = ("tasks_{}.json", "{}.json", "tasks_{}.jsonl", "{}_tasks.json", "tasks/{}.json")
+
+def tau1_file(folder, names):
+    """The first of `names` in folder or its data/ (v1's layout); else one line naming the first and the folder."""
+    for name in names:
+        for p in (Path(folder) / name, Path(folder) / "data" / name):
+            if p.is_file():
+                return p
+    raise FileNotFoundError(f"TAU1 file {Path(folder) / names[0]} not found (the TAU1 data: {TAU1_DIR}, or set "
+                            "MUA_TAU1_DIR)")
+
+def load_tau1_data(domain, folder):
+    """{table: {key: record}} as v1 loads it (no canonical form, no coercion: the hash sees ints and floats apart)."""
+    try:
+        paths = {t: tau1_file(folder, [f"{t}.json"]) for t in TAU1_TABLES[domain]}
+    except FileNotFoundError:
+        one = tau1_file(folder, [f"{TAU1_TABLES[domain][0]}.json", "db.json"])
+        paths = {t: one for t in TAU1_TABLES[domain]}
+    data = {}
+    for t, p in paths.items():
+        try:
+            raw = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+        data[t] = raw.get(t) if p.name == "db.json" else raw
+        if not isinstance(data[t], dict) or not all(isinstance(r, dict) for r in data[t].values()):
+            raise ValueError(f"{p}: {t} should be an object of records")
+    return data
+
+def load_tau1_tasks(path, kind):
+    """v1's tasks (a JSON list, or JSONL) -> task dicts: id = index, the instruction as the user's scenario, the
+    actions as gold (v1's kwargs, or "arguments"), outputs as what must be said."""
+    text = Path(path).read_text()
+    try:
+        raw = json.loads(text) if text.lstrip().startswith(("[", "{")) else [json.loads(x) for x in text.splitlines()
+                                                                            if x.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    raw = raw.get("tasks") if isinstance(raw, dict) else raw
+    tasks = []
+    for i, t in enumerate(raw if isinstance(raw, list) else [None]):
+        ok = isinstance(t, dict) and isinstance(t.get("instruction"), str) and isinstance(t.get("actions"), list)
+        acts = [{"name": a.get("name"), "arguments": a.get("kwargs", a.get("arguments"))} for a in t["actions"]
+                if isinstance(a, dict)] if ok else []
+        if not ok or len(acts) < len(t["actions"]) or not all(isinstance(a["name"], str) and
+                                                             isinstance(a["arguments"], dict) for a in acts):
+            raise ValueError(f"{path}: task {i} should be v1's Task {{user_id, actions [{{name, kwargs}}], "
+                             "instruction, outputs}")
+        tasks.append({"id": i, "kind": kind, "user_id": t.get("user_id"), "user_scenario": {"instructions":
+                      t["instruction"]}, "evaluation_criteria": {"actions": acts,
+                                                                 "communicate_info": list(t.get("outputs") or [])}})
+    return tasks

@@ -11,6 +11,7 @@ ACEBench's agent categories on our copy of its sandbox and checker.
         --max-turns 30 --max-new-tokens 1024 --max-len 16384
     python evaluate.py --bench bfcl --models sft=out/sft --categories base miss_func --n 20   # BFCL subset
     python evaluate.py --bench acebench --models sft=out/sft --user http://localhost:8001/v1 --user-model gpt-4o
+    python evaluate.py --models sft=out/sft --tau1 retail airline --user http://localhost:8001/v1   # tau-bench v1
 
 Every task is played k times per model. pass^k for a task with c successes out of n trials is C(c, k) / C(n, k)
 (the chance that k trials drawn without replacement all succeed), averaged over tasks, with a 95% bootstrap
@@ -167,8 +168,10 @@ def main(argv=None):
     g.add_argument("--domain", nargs="+", default=None, choices=env.TAU2_DOMAINS,
                    help="tau2-bench domains, run and scored by tau2's own code (needs requirements-tau2.txt); a "
                         "--tasks file inside a tau2 domain folder picks its domain the same way")
+    g.add_argument("--tau1", nargs="+", default=None, choices=env.TAU1_DOMAINS,
+                   help="tau-bench v1 domains (TAU1) from ../shared/tau1 (or MUA_TAU1_DIR), on v1's semantics")
     g.add_argument("--split", default="test", help="with --domain: tau2's task split (train, test, base; telecom "
-                                                    "also small, full)")
+                                                    "also small, full); with --tau1: test, train or dev (retail)")
     g.add_argument("--judge", default=None, help="with --domain: OpenAI-compatible URL of the LLM that judges "
                                                   "tau2's NL assertions (default: reported as not judged)")
     g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")
@@ -207,6 +210,8 @@ def main(argv=None):
             ("--llm-deadline", a.llm_deadline > 0, "> 0")])
     if a.judge and not a.judge_model:
         p.error("--judge needs --judge-model")
+    if a.tau1 and (a.domain or a.tasks_file or a.bench != "tau2"):
+        p.error("--tau1 plays v1's own tasks: not with --domain, --tasks or --bench bfcl")
     if a.backend == "vllm":
         require_vllm()
     return run(a)
@@ -224,6 +229,9 @@ def named_worlds(a):
             raise SystemExit(f"unknown ACEBench category {sorted(bad)[0]!r}; valid: {', '.join(ACE_CATEGORIES)}")
         ws = [ACEBench(c, a.acebench_dir, a.n, user=users) for c in a.categories or ACE_CATEGORIES]
         return {w.name: (w, w.tasks) for w in ws}
+    if a.tau1:
+        worlds = [env.Tau1(d, user=users, guidelines=guidelines, max_turns=a.max_turns or 30) for d in a.tau1]
+        return {w.name: (w, w.tasks(a.split)[:a.n_tasks]) for w in worlds}
     # airline and telecom tasks run on tau2's code (only there); retail's run there when they are the installed
     # tau2's own, else on env.py's tools, which follow the newer tau2 (../shared: get_item_details) and need no tau2
     domain = env.tau2_domain_of(a.tasks_file)

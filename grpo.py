@@ -6,6 +6,7 @@ tools, and learns from the 0/1 task reward alone with GRPO (no value model).
     python grpo.py --model tests/tiny_base --out out/grpo_rl_only  # RL only, from the base (no cold start)
     python grpo.py --model out/sft --user smollm2 --steps 3        # SmolLM2-135M-Instruct plays the user
     python grpo.py --model out/sft --domain airline --split train   # a tau2 domain on tau2's code (gold-replay user)
+    python grpo.py --model out/sft --tau1 retail --user smollm2      # tau-bench v1 retail's 500 train tasks
 
 GPU recipe of the paper (Qwen3-8B after cold-start SFT; 8 x 80 GB; a vLLM server elsewhere for the user). FSDP2
 with activation checkpointing; each rank's vLLM engine takes 70% of its GPU while it samples and sleeps while the
@@ -232,7 +233,11 @@ def main(argv=None):
     g.add_argument("--db", dest="db_file", default=None, help="the db.json the --tasks run on")
     g.add_argument("--domain", default=None, choices=env.TAU2_DOMAINS,
                    help="a tau2-bench domain, run and scored by tau2's own code (needs requirements-tau2.txt)")
-    g.add_argument("--split", default="train", help="with --domain: tau2's task split to train on (or --tasks: a file)")
+    g.add_argument("--tau1", default=None, choices=["retail", "airline"],
+                   help="a tau-bench v1 domain (../shared/tau1, or MUA_TAU1_DIR) on v1's semantics; retail's train "
+                        "split: the paper's 500 training tasks")
+    g.add_argument("--split", default="train",
+                   help="with --domain or --tau1: the task split to train on (with --domain, --tasks replaces it)")
     g.add_argument("--policy-file", default=None,
                    help="domain policy for the agent's system prompt (default: policy.md beside --tasks, if there; "
                         "'none': the generated shop's short prompt)")
@@ -292,6 +297,8 @@ def main(argv=None):
             ("--ppo-epochs", a.ppo_epochs >= 1, ">= 1"), ("--mini-batches", a.mini_batches >= 1, ">= 1"),
             ("--micro-batch", a.micro_batch >= 1, ">= 1"), ("--grad-clip", a.grad_clip > 0, "> 0"),
             ("--save-every", a.save_every >= 1, ">= 1"), ("--max-errored-steps", a.max_errored_steps >= 0, ">= 0")])
+    if a.tau1 and (a.domain or a.tasks_file):
+        p.error("--tau1 trains on v1's own tasks: not with --domain or --tasks")
     claim_or_stop(p, a.out, a.resume, a.overwrite)
     del a.overwrite
     return train(**vars(a))
@@ -300,7 +307,7 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
           batch_tasks, group, temperature, max_turns, max_new_tokens, max_len, reward_basis, drop_zero_spread,
           task_sampling, user, user_model, user_guidelines, max_errored_steps, llm_concurrency, llm_deadline, lr, clip,
           beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb, fsdp,
-          cpu_offload, activation_checkpointing, lora_rank, lora_alpha, domain=None, split="train"):
+          cpu_offload, activation_checkpointing, lora_rank, lora_alpha, domain=None, tau1=None, split="train"):
     """The GRPO loop. -> (policy, tokenizer)."""
     # --- setup: the world and its tasks, the policy (rollout.ModelSetup: FSDP2, LoRA, the memory plan), the sampler
     config = dict(locals())
@@ -309,7 +316,10 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
     # the world first: a run with no tasks must stop before it touches the run folder
     users = user_backend(user, user_model, concurrency=llm_concurrency, deadline=llm_deadline)
     guidelines = env.load_guidelines(user_guidelines) if user_guidelines else None
-    if domain:  # a tau2 domain on tau2's code: its split, tools, policy, users and evaluator
+    if tau1:  # a tau-bench v1 domain: its split, tools, wiki, users and reward
+        world = env.Tau1(tau1, user=users, guidelines=guidelines, max_turns=max_turns)
+        train_tasks, tasks_path = world.tasks(split), f"{world.name} split {split}"
+    elif domain:  # a tau2 domain on tau2's code: its split, tools, policy, users and evaluator
         world = env.Tau2(domain, db=db_file, user=users, guidelines=guidelines, max_turns=max_turns)
         train_tasks = world.tasks(split, path=tasks_file)  # a tasks file in tau2's format replaces the split
         tasks_path = tasks_file or f"tau2 {domain} split {split}"

@@ -8,6 +8,7 @@ only the conversations that pass every check (README: "What synth.py keeps"), as
     python synth.py --agent http://localhost:8000/v1 --agent-model Qwen/Qwen3-8B   # a teacher LLM plays the agent
     python synth.py --judge http://localhost:8002/v1 --judge-model deepseek-ai/DeepSeek-R1   # an LLM judge too
     python synth.py --domain telecom --split train    # tau2's train split on tau2's code (gold replay or --agent URL)
+    python synth.py --tau1 retail --split train        # tau-bench v1 retail's 500 train tasks (the paper's domain)
 
 Writes data/shop.json and data/{train,test}_tasks.jsonl once (a generated shop in tau2's retail schema, its splits)
 and data/sft.jsonl, a conversation a line: {"task_id", "kind", "reward", "tools", "messages"[, "judge"]}.
@@ -43,7 +44,9 @@ def main(argv=None):
     g.add_argument("--n-test", type=int, default=60, help="test tasks of the generated shop")
     g.add_argument("--domain", default=None, choices=["retail", "airline", "telecom"], help="play a tau2 domain's "
                    "split on tau2's code instead (oracle: the gold replay; out: <data-dir>/sft_<domain>.jsonl)")
-    g.add_argument("--split", default="train", help="with --domain: tau2's task split")
+    g.add_argument("--tau1", default=None, choices=["retail", "airline"], help="play a tau-bench v1 domain's split "
+                   "(../shared/tau1; retail train: the paper's 500 tasks); out: <data-dir>/sft_tau1_<domain>.jsonl")
+    g.add_argument("--split", default="train", help="with --domain or --tau1: the task split")
     g = p.add_argument_group("agent and tools")
     g.add_argument("--agent", default="oracle", help="'oracle' (gold plan), a model path or an OpenAI-compatible URL")
     g.add_argument("--agent-model", default=None, help="model name at the --agent endpoint")
@@ -74,7 +77,9 @@ def main(argv=None):
     if args.tools == "llm" and not args.tool_llm:
         p.error("--tools llm needs --tool-llm (a model path or an OpenAI-compatible URL)")
     llm = dict(concurrency=args.llm_concurrency, deadline=args.llm_deadline)
-    if args.domain:
+    if args.domain and args.tau1:
+        p.error("--tau1 and --domain name two worlds: give one")
+    if args.domain or args.tau1:
         return synth_tau2(args, llm)
     try:
         db, train, _ = prepare_data(args.data_dir, args.seed, args.n_users, args.n_train, args.n_test)
@@ -162,17 +167,19 @@ def simulator_summary(checks):
 
 def synth_tau2(a, llm):
     """--domain: tau2's split on tau2's code (env.Tau2), kept where tau2's evaluator scores 1 on the task's own
-    reward basis. The oracle is the gold replay (env.GoldAgent, and env.GoldUser unless --user)."""
-    d = env.Tau2(a.domain, user=user_backend(a.user, a.user_model, **llm), max_turns=a.max_turns,
-                 guidelines=env.load_guidelines(a.user_guidelines) if a.user_guidelines else None)
+    reward basis; --tau1: a tau-bench v1 split (env.Tau1), kept where v1's reward is 1. The oracle is the gold replay
+    (env.GoldAgent, one call a message where the world runs only the first, and env.GoldUser unless --user)."""
+    kw = dict(user=user_backend(a.user, a.user_model, **llm), max_turns=a.max_turns,
+              guidelines=env.load_guidelines(a.user_guidelines) if a.user_guidelines else None)
+    d = env.Tau1(a.tau1, **kw) if a.tau1 else env.Tau2(a.domain, **kw)
     tasks = d.tasks(a.split)[:a.n_tasks]
-    make_agent = env.GoldAgent if a.agent == "oracle" else _teacher(a, llm)  # a teacher gets tau2's tool schemas
+    make_agent = (lambda t, s: env.GoldAgent(t, s, d.calls_per_message)) if a.agent == "oracle" else _teacher(a, llm)
     eps = synthesize(tasks, d, TextAgents(make_agent), chunk=a.chunk, seed=a.seed, basis="task",
-                     desc=f"synth ({a.domain})")
+                     desc=f"synth ({d.name})")  # a teacher gets the world's tool schemas
     kept = [e for e in eps if e.reward == 1.0 and not e.errored]
-    out = a.out or os.path.join(a.data_dir, f"sft_{a.domain}.jsonl")
-    print(f"tried {len(eps)} {a.domain} tasks ({a.split} split, tau2 {d.version}), kept {len(kept)} -> "
-          f"{out if kept else 'nothing written'}")
+    out = a.out or os.path.join(a.data_dir, f"sft_{d.name}.jsonl")
+    print(f"tried {len(eps)} {d.name} tasks ({a.split} split, {getattr(d, 'version', None) or 'tau-bench v1'}), "
+          f"kept {len(kept)} -> {out if kept else 'nothing written'}")
     if not kept:
         sys.exit(f"synth.py: no conversation was kept; {out} left as it was")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
