@@ -969,7 +969,7 @@ class Tau2(World):
         self.pristine = self.make_env()
         if db is not None:
             self.pristine = self.make_env(db=type(self.pristine.tools.db).load(str(db)))
-        self.policy, self.judge, self.tasks_by_id = self.pristine.get_policy(), judge, {}
+        self.policy, self.judge, self.tasks_by_id, self.task_set = self.pristine.get_policy(), judge, {}, None
         self.system_prompt = T["agent"].SYSTEM_PROMPT.format(agent_instruction=T["agent"].AGENT_INSTRUCTION,
                                                              domain_policy=self.policy)
         self.tools = [t.openai_schema for t in self.pristine.get_tools()]
@@ -990,14 +990,22 @@ class Tau2(World):
         return self.make_env(solo_mode=solo_mode, **kw)
 
     def tasks(self, split="test", path=None):
-        """tau2's tasks of a split ('train', 'test', 'base', ...; None: all), or those of a tasks file, as dicts."""
+        """tau2's tasks of a split ('train', 'test', 'base', ...; None: all), or those of a tasks file (of its split
+        where a split_tasks.json sits beside it, as tau2 v1.0.x ships them), as dicts."""
         T = tau2()
         if path is not None:
             raw = json.loads(Path(path).read_text())
             tasks = [T["Task"].model_validate(t) for t in (raw.get("tasks", []) if isinstance(raw, dict) else raw)]
+            splits = Path(path).parent / "split_tasks.json"
+            if split is not None and splits.is_file():
+                ids = json.loads(splits.read_text()).get(split)
+                if ids is None:
+                    raise SystemExit(f"{splits}: no split {split!r}")
+                tasks = [t for t in tasks if t.id in set(ids)]
         else:
             tasks = T["registry"].get_tasks_loader(self.name)(split)
         self.tasks_by_id.update({t.id: t for t in tasks})
+        self.task_set = str(path) if path is not None else f"tau2 {self.version}'s own"  # for every table
         return [{**t.model_dump(mode="json", exclude_none=True), "kind": self.name} for t in tasks]
 
     def reset(self, task):
@@ -1097,7 +1105,8 @@ class Tau2(World):
                 "nl_assertions": {"episodes": len(nl), "judged": sum(r.get("nl_met") is not None for r in nl),
                                   "met": sum(all(r["nl_met"]) for r in nl if r.get("nl_met") is not None)},
                 "score_errors": sum("error" in r for r in scored),
-                "world": f"tau2 {self.version} (tau2's own code: environment and evaluator)"}
+                "world": f"tau2 {self.version} (tau2's own code: environment and evaluator; its Orchestrator's "
+                         f"limits: {self.max_steps} steps, {self.max_errors} errors); tasks: {self.task_set}"}
 
 # our end reasons -> tau2's TerminationReason; our own limits (max_turns, max_tokens) end as its step limit
 TAU2_ENDS = {"user_stop": "user_stop", "transfer": "user_stop", "out_of_scope": "user_stop", "agent_stop": "agent_stop",

@@ -316,5 +316,42 @@ def test_lower_budget_and_shop_rules_stay():
     assert shop.end(ep) == "transfer" and d.end(ep) is None
 
 
+def test_tasks_file_with_split_beside(tmp_path):
+    """A tau2 tasks.json with a split_tasks.json beside it (as tau2 v1.0.x ships them) plays its --split on tau2's
+    code; without the splits file every task of the file; a split it lacks is one line naming the file."""
+    d = env.Tau2("airline")
+    base = d.tasks("base")
+    (tmp_path / "tasks.json").write_text(json.dumps([d.tasks_by_id[t["id"]].model_dump(mode="json") for t in base]))
+    assert len(d.tasks("test", path=tmp_path / "tasks.json")) == len(base)  # no splits file: all of them
+    (tmp_path / "split_tasks.json").write_text(json.dumps({"test": [base[3]["id"], base[1]["id"]]}))
+    assert [t["id"] for t in d.tasks("test", path=tmp_path / "tasks.json")] == [base[1]["id"], base[3]["id"]]
+    assert d.task_set == str(tmp_path / "tasks.json")
+    with pytest.raises(SystemExit, match="split_tasks.json: no split 'train'"):
+        d.tasks("train", path=tmp_path / "tasks.json")
+
+
+SHARED_TAU2 = Path(__file__).resolve().parent.parent.parent / "shared" / "tau2"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED_TAU2 / "retail" / "split_tasks.json").is_file(),
+                    reason=f"{SHARED_TAU2} absent (tau2-bench v1.0.x's retail and airline task files)")
+@pytest.mark.parametrize("name", ["retail", "airline"])
+def test_v1_task_set_gold_replays_on_tau2_code(name):
+    """tau2-bench v1.0.x's tasks (../shared/tau2) on 26.3's code, telecom staying 26.3's: every gold replay reaches
+    1 (v1.0.1 checked from a scratch copy of sierra-research/tau2-bench: retail 114/114 with its 10 changed tasks,
+    airline 50/50 with its 12), and the tasks whose gold actions differ from 26.3's are the issue's 10 and 12."""
+    path = SHARED_TAU2 / name / "tasks.json"
+    d = env.Tau2(name, db=path.parent / "db.json" if (path.parent / "db.json").is_file() else None)
+    old = {t["id"]: t["evaluation_criteria"].get("actions") for t in domain(name).tasks("base")}
+    tasks = d.tasks("base", path=path)
+    changed = [t["id"] for t in tasks if t["evaluation_criteria"].get("actions") != old.get(t["id"])]
+    assert len(tasks) == {"retail": 114, "airline": 50}[name] and len(changed) == {"retail": 10, "airline": 12}[name]
+    eps = rollout.run_episodes(rollout.TextAgents(lambda t, s: env.GoldAgent(t)), d, tasks)
+    for ep, t in zip(eps, tasks):
+        d.score(ep, t, "task")
+    assert [e.task_id for e in eps if e.reward != 1.0] == []
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
