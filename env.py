@@ -29,7 +29,8 @@ from types import SimpleNamespace
 
 class World:
     """What every benchmark provides to the loop, training and evaluation; each episode plays on its own `state` from
-    reset(task). Defaults: Hermes tool calls, tool messages, the end at a successful transfer or after max_turns."""
+    reset(task). Defaults (the shop's rules): Hermes tool calls, tool messages, any agent turn goes on (an empty one to
+    the user), the end at a user's stop, a successful transfer or after max_turns. Tau2 has tau2's Orchestrator's."""
     name = "world"
     tools = []              # the agent's tool schemas (OpenAI format)
     system_prompt = None    # the policy text the agent reads first (None: the conversation opens with the user)
@@ -102,9 +103,9 @@ class World:
     def end(self, ep):
         """Checked after every step: why the episode ends now (an end reason), or None. ep.end_reason is the reason it
         may have already (a user's stop); the default keeps it."""
-        last = itertools.takewhile(lambda m: m["role"] == "tool", reversed(ep.messages))  # the last step's answers
         if ep.end_reason:
             return ep.end_reason
+        last = itertools.takewhile(lambda m: m["role"] == "tool", reversed(ep.messages))  # the last step's answers
         if any(m.get("name") == self.transfer_tool and not m["content"].startswith("Error") for m in last):
             return "transfer"
         return "max_turns" if ep.turns >= self.max_turns else None

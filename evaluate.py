@@ -167,7 +167,7 @@ def main(argv=None):
                    help="tau2-bench domains, run and scored by tau2's own code (needs requirements-tau2.txt); a "
                         "--tasks file inside a tau2 domain folder picks its domain the same way")
     g.add_argument("--split", default="test", help="with --domain: tau2's task split (train, test, base; telecom "
-                                                    "also small, full)")
+                   "also small, full), also of a --tasks file with a split_tasks.json beside it (tau2 v1.0.x)")
     g.add_argument("--judge", default=None, help="with --domain: OpenAI-compatible URL of the LLM that judges "
                                                   "tau2's NL assertions (default: reported as not judged)")
     g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")

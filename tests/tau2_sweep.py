@@ -43,6 +43,7 @@ def main(argv=None):
                   + ", ".join(f"{e} {n}" for (b2, e), n in sorted(ends.items()) if b2 == b))
         for r in disagree:
             print(f"  DISAGREE {r}")
+        sys.stdout.flush()
     if a.out:
         Path(a.out).write_text(json.dumps(every, indent=1))
     print(f"total: {len(every)} episodes, {len(bad)} disagreements (tau2 {diff.domain(a.domains[0]).version})")

@@ -25,7 +25,7 @@ BAD_LOOKUP = {"retail": ("get_order_details", {"order_id": "#W0000000"}),  # a r
 READ = {"retail": ("list_all_product_types", {}), "airline": ("list_all_airports", {}),
         "telecom": ("get_customer_by_id", {"customer_id": "C0000000"})}
 TRANSFER = ("transfer_to_human_agents", {"summary": "The user needs a human agent."})
-_domains = {}
+_domains, _ci = {}, {}
 
 
 def domain(name):
@@ -86,8 +86,8 @@ def script(d, task, behaviour):
 
 
 def with_history(d, task):
-    """The task with a synthesized message_history in which the first gold run already happened (retail's first
-    task: the user's address changed, ...); the scripts play the rest."""
+    """The task with a synthesized message_history in which its first gold run already happened (retail's first
+    task: the user's address changed, ...), its gold the rest; the scripts play the rest."""
     T, segs = env.tau2(), env.gold_segments(task)
     M, t = T["message"], d.tasks_by_id[task["id"]].model_copy(deep=True)
     side, run = segs[0] if segs else ("assistant", [])
@@ -107,6 +107,9 @@ def with_history(d, task):
         from tau2.data_model.tasks import InitialState
         t.initial_state = InitialState()
     t.initial_state.message_history, t.id = history, f"{task['id']}+history"
+    # its gold: the rest (tau2's evaluator replays the history and then every gold action into the gold world, so a
+    # write in both would be made twice there: 26.3's way, which a task's author has to mind)
+    t.evaluation_criteria.actions = (t.evaluation_criteria.actions or [])[len(run):]
     d.tasks_by_id[t.id] = t
     rest = {**task, "evaluation_criteria": {**task["evaluation_criteria"],
                                             "actions": [a for _, r in segs[1:] for a in r]}}
@@ -136,9 +139,10 @@ class ScriptBackend:
     """Our side's user model: an LLMUser's chat backend that replies with the user's turns in order, then stops."""
 
     def __init__(self, turns):
-        self.turns = iter(turns)
+        self.turns, self.seen = iter(turns), []
 
     def chat(self, batch, max_new_tokens, temperature, seeds, tools=None):
+        self.seen += [list(c) for c in batch]
         return [hermes(next(self.turns, turn(env.STOP))) for _ in batch]
 
 
@@ -224,33 +228,38 @@ def compare(name, tasks, behaviours=BEHAVIOURS):
     return rows, [r for r in rows if r[2] != r[3]]
 
 
-def ci_tasks(d):
-    """A few tasks of the domain's base split that cover the behaviours: the first, and the first whose gold has a
-    write of the agent and (telecom) a run of the user's own calls."""
-    tasks = d.tasks("base")
+def ci_task(d):
+    """The CI's task of a domain: the first of its base split whose gold has a write of the agent and, where the user
+    has tools (telecom), a run of the user's own calls."""
     tools = d.pristine.tools
-    writer = next(t for t in tasks if any(a["name"] in tools.get_tools() and tools.tool_type(a["name"]).value
-                                          == "write" for a in t["evaluation_criteria"].get("actions") or []))
-    both = next((t for t in tasks if {s for s, _ in env.gold_segments(t)} == {"assistant", "user"}), writer)
-    return list({t["id"]: t for t in (tasks[0], writer, both)}.values())
+    return next(t for t in d.tasks("base") if any(
+        a["name"] in tools.get_tools() and tools.tool_type(a["name"]).value == "write"
+        for a in t["evaluation_criteria"].get("actions") or [])
+        and (not d.user_tools or "user" in {s for s, _ in env.gold_segments(t)}))
 
 
 # ----------------------------------------------------------------------------------------------------
 # tests
 
+# what each behaviour reaches on the CI's tasks (reward or None: either, termination): the rule it is there for
+REACHES = {"gold": (1.0, "user_stop"), "changed_write": (0.0, "user_stop"), "words_only": (0.0, "user_stop"),
+           "errors_10": (0.0, "too_many_errors"), "errors_9": (None, "user_stop"),
+           "calls_after_transfer": (None, "user_stop"), "write_after_transfer": (1.0, "user_stop"),
+           "empty_turn": (0.0, "agent_error"), "stop_with_calls": (None, "user_stop"), "history": (1.0, "user_stop"),
+           "endless": (0.0, "max_steps")}
+
+
+@pytest.mark.parametrize("behaviour", BEHAVIOURS)
 @pytest.mark.parametrize("name", env.TAU2_DOMAINS)
-def test_our_loop_ends_and_scores_as_tau2s_orchestrator(name):
-    """Every behaviour on a few tasks of each domain: the same reward and termination reason as tau2's own
-    Orchestrator. The behaviours reach the rules they are for (negative controls: the episodes differ)."""
-    rows, bad = compare(name, ci_tasks(domain(name)))
-    assert bad == []
-    by = {b: [r[2] for r in rows if r[1] == b] for b in BEHAVIOURS}
-    assert all(o == (1.0, "user_stop") for o in by["gold"]), by["gold"]
-    assert all(o == (0.0, "too_many_errors") for o in by["errors_10"])
-    assert all(o == (0.0, "agent_error") for o in by["empty_turn"])
-    assert all(o == (0.0, "max_steps") for o in by["endless"])
-    assert {o[1] for o in by["calls_after_transfer"] + by["write_after_transfer"]} == {"user_stop"}
-    assert any(o[0] == 1.0 for o in by["history"]) and any(o[0] == 0.0 for o in by["changed_write"])
+def test_our_loop_ends_and_scores_as_tau2s_orchestrator(name, behaviour):
+    """Each behaviour on one task of each domain: the same reward and termination reason as tau2's own Orchestrator
+    (tests/tau2_sweep.py: every task), and the rule it is there for is reached."""
+    if name not in _ci:
+        _ci[name] = ci_task(domain(name))
+    (_, _, got, theirs_), = compare(name, [_ci[name]], [behaviour])[0]
+    assert got == theirs_
+    reward, end = REACHES[behaviour]
+    assert got[1] == end and reward in (None, got[0]), got
 
 
 def test_history_is_shown_and_scored():
@@ -275,6 +284,9 @@ def test_history_is_shown_and_scored():
                for m in head for c in m.get("tool_calls") or [])
     assert seen[0][:len(head) + 1][1:] == head  # the agent's first view: system, then the history
     assert not any(m["content"] == env.GREETING for m in ep.messages)  # tau2: a history replaces the greeting
+    heard = backend.seen[0][1:]  # the user's first prompt after its system message: the history, roles flipped
+    assert [m["role"] for m in heard] == ["assistant", "user"] and heard[-1]["content"] == head[-1]["content"]
+    assert "Instructions:" in backend.seen[0][0]["content"]  # tau2's user prompt: str(user_scenario)
     cut = [m for m in ep.messages if not m.get("opening")]
     assert d.evaluate(t, cut, ep.end_reason)["reward"] == 0.0
 
@@ -314,6 +326,17 @@ def test_lower_budget_and_shop_rules_stay():
     assert d.refuse({"role": "assistant", "content": " "}) == "empty_turn"
     ep = rollout.Episode("x", messages=[{"role": "tool", "name": "transfer_to_human_agents", "content": "ok"}])
     assert shop.end(ep) == "transfer" and d.end(ep) is None
+
+
+def test_pass_hat_k_both_ways():
+    """evaluate.py: pass^k leaves errored episodes out (ours) and counts them as 0 (tau2 --skip-failed-samples)."""
+    import evaluate
+    E = rollout.Episode
+    eps = [E("a", reward=1.0), E("a", reward=1.0), E("b", reward=1.0), E("b", errored=True, error="user down")]
+    s = evaluate.summarize(eps, [1, 2], env.World())
+    assert (s["all"]["pass^1"], s["all"]["pass^2"]) == (1.0, 1.0)  # b has one scored trial: left out of pass^2
+    assert (s["all"]["pass^1_errored_0"], s["all"]["pass^2_errored_0"]) == (0.75, 0.5)
+    assert "pass^2, errored = 0" in evaluate.markdown({"m": {"w": s}}, [1, 2])
 
 
 def test_tasks_file_with_split_beside(tmp_path):
