@@ -1054,11 +1054,13 @@ class Tau2(World):
         failed) stay; a successful transfer ends nothing (the user answers ###TRANSFER###)."""
         if ep.end_reason not in ("", "user_stop", "transfer", "out_of_scope"):
             return ep.end_reason
-        if ep.tool_errors + ep.user_tool_errors >= self.max_errors:  # 26.3 counts all errors, not "in a row"
-            return "too_many_errors"
-        if tau2_steps(ep.messages) >= self.max_steps:
-            return "max_steps"
-        return ep.end_reason or ("max_turns" if ep.turns >= self.max_turns else None)
+        return tau2_limit(ep.messages, self.max_steps, self.max_errors) or ep.end_reason or \
+            ("max_turns" if ep.turns >= self.max_turns else None)
+
+    def tool_messages(self, results):
+        """Marked "error" where the call failed: tau2's ToolMessage.error, which its error limit counts."""
+        return [{**m, **({"error": True} if is_error else {})}
+                for m, (_, _, is_error) in zip(super().tool_messages(results), results)]
 
     def call(self, state, name, arguments, side="agent"):
         return tau2_call(state, name, arguments, requestor="user" if side == "user" else "assistant")
@@ -1114,10 +1116,22 @@ TAU2_ENDS = {"user_stop": "user_stop", "transfer": "user_stop", "out_of_scope": 
              "too_many_errors": "too_many_errors", "empty_turn": "agent_error", "agent_error": "agent_error",
              "user_error": "user_error"}
 
-def tau2_steps(messages):
-    """Orchestrator.step_count of a transcript: one per message after the opening, one per answered call message."""
-    body = [m for m in messages if m["role"] not in ("system", "tool") and not m.get("opening")]
-    return len(body) + sum(bool(m.get("tool_calls")) for m in body)
+def tau2_limit(messages, max_steps, max_errors):
+    """The first limit of Orchestrator.run a transcript reaches: its step_count (one per message after the opening,
+    one per run of tool results) and failed calls, checked after every step that sends no calls. -> reason or None."""
+    body = [m for m in messages if m["role"] != "system" and not m.get("opening")]
+    steps = errors = 0
+    for k, m in enumerate(body):
+        tool, next_tool = m["role"] == "tool", k + 1 < len(body) and body[k + 1]["role"] == "tool"
+        steps += not tool or k == 0 or body[k - 1]["role"] != "tool"
+        errors += tool and m.get("error", False)  # 26.3 counts every error, not those "in a row" (its CLI's help)
+        if m.get("tool_calls") or (tool and next_tool):  # the message goes to the environment: no check yet
+            continue
+        if errors >= max_errors:  # checked second in run(), so it wins
+            return "too_many_errors"
+        if steps >= max_steps:
+            return "max_steps"
+    return None
 
 def tau2_call(state, name, arguments, requestor="assistant"):
     """One call through tau2's Environment.get_response -> (content, is_error); never raises (refuses non-objects)."""

