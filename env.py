@@ -1477,7 +1477,7 @@ def tau2_messages(messages):
     return out
 
 def from_tau2_messages(messages):
-    """tau2 messages (a task's message_history) -> our transcript's: the user's calls and their results "side": "user"."""
+    """tau2 messages (a task's message_history) -> ours; the user's calls and their results marked "side": "user"."""
     out, names = [], {}
     for m in messages:
         if m.role == "tool":

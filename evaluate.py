@@ -17,11 +17,12 @@ which under sampled trials (--temperature 1) bounds what RL can reach by sharpen
 decodes greedily by default (tau-bench's default), so trials differ through the user simulator: the scripted user
 draws its wording from the trial's seed. Episodes whose user (or endpoint agent) failed are left out of n and
 counted; the table also gives pass^k with them counted as 0, as `tau2 run --skip-failed-samples` does (the number
-comparable to tau2's leaderboard; the two agree when nothing errored). Each episode is scored by its world on the "task" basis, what the task checks (the database and the
-information the agent had to communicate, as tau-bench scores); --db-only scores the database alone (grpo.py's
---reward-basis db, the paper's training reward). Prints one markdown table (per world, and per task kind where a
-world has several), with each world's own figures (telecom's TCR, BFCL's mean over categories), and writes every
-transcript to JSONL. An http(s) URL in --models is an OpenAI-compatible endpoint playing the agent.
+comparable to tau2's leaderboard; the two agree when nothing errored). Each episode is scored by its world on the
+"task" basis, what the task checks (the database and the information the agent had to communicate, as tau-bench
+scores); --db-only scores the database alone (grpo.py's --reward-basis db, the paper's training reward). Prints one
+markdown table (per world, and per task kind where a world has several), with each world's own figures (telecom's
+TCR, BFCL's mean over categories), and writes every transcript to JSONL. An http(s) URL in --models is an
+OpenAI-compatible endpoint playing the agent.
 """
 import argparse
 import json
@@ -111,7 +112,8 @@ def markdown(results, ks):
     each world's own figures."""
     pct = lambda v: f"{100 * v:.1f}" if isinstance(v, (int, float)) and v is not None else "-"  # noqa: E731
     lines = ["| model | world | tasks | " + " | ".join(f"pass^{k} [95% CI]" for k in ks) + " | "
-             + " | ".join(f"pass^{k}, errored = 0" for k in ks) + " | figures |", "|" + "---|" * (4 + 2 * len(ks))]
+             + " | ".join(f"pass^{k}, errored = 0 (tau2's way)" for k in ks) + " | figures |",
+             "|" + "---|" * (4 + 2 * len(ks))]
     for name, per in results.items():
         for world, s in per.items():
             for group in ["all"] + sorted(g for g in s if g not in ("all", "figures")):
@@ -183,8 +185,8 @@ def main(argv=None):
     g.add_argument("--temperature", type=float, default=0.0, help="the agent's sampling temperature (0: greedy)")
     g.add_argument("--db-only", action="store_true", help="score the database alone (grpo.py --reward-basis db)")
     g.add_argument("--max-turns", type=int, default=None,
-                   help="agent turns per episode (default 16; BFCL: 21 per user turn, past BFCL's limit; a tau2 domain: "
-                        "none, tau2's own 200 steps and 10 errors end it, and a value here can only lower that)")
+                   help="agent turns per episode (default 16; BFCL: 21 per user turn, past BFCL's limit; a tau2 "
+                        "domain: none, tau2's own 200 steps and 10 errors end it, and a value here only lowers that)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
     g.add_argument("--batch", type=int, default=64, help="episodes played together (one run_episodes call)")

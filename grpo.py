@@ -228,8 +228,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and train_tasks.jsonl")
-    g.add_argument("--tasks", dest="tasks_file", default=None, help="or any tau2 tasks.json / our JSONL (with --db); with "
-                   "--domain: its tasks on tau2's code (a split_tasks.json beside picks --split)")
+    g.add_argument("--tasks", dest="tasks_file", default=None, help="or any tau2 tasks.json / our JSONL (with --db); "
+                   "with --domain: its tasks on tau2's code (a split_tasks.json beside picks --split)")
     g.add_argument("--db", dest="db_file", default=None, help="the db.json the --tasks run on")
     g.add_argument("--domain", default=None, choices=env.TAU2_DOMAINS,
                    help="a tau2-bench domain, run and scored by tau2's own code (needs requirements-tau2.txt)")
@@ -313,7 +313,8 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
     guidelines = env.load_guidelines(user_guidelines) if user_guidelines else None
     if domain:  # a tau2 domain on tau2's code: its split, tools, policy, users and evaluator
         world = env.Tau2(domain, db=db_file, user=users, guidelines=guidelines, max_turns=max_turns)
-        train_tasks, tasks_path = world.tasks(split, path=tasks_file), f"tau2 {domain} split {split} of {tasks_file or 'its tasks'}"
+        train_tasks = world.tasks(split, path=tasks_file)
+        tasks_path = f"tau2 {domain} split {split} of {tasks_file or 'its tasks'}"
     else:
         tasks_path = tasks_file or os.path.join(data_dir, "train_tasks.jsonl")
         beside = env.guidelines_beside(tasks_file)  # tau2's, where its tasks file sits in tau2's data layout

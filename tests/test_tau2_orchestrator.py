@@ -309,7 +309,7 @@ def test_opening_greeting_is_prompt_not_trained():
     assert ep.end_reason == "max_turns"
     ids, mask = rollout.encode_conversation(tok, ep.messages, d.tools)
     assert (ids, mask) == (ep.ids[:len(ids)], ep.loss_mask[:len(ids)])  # the rollout also has the user's last reply
-    assert sum(mask) == sum(ep.loss_mask) == ep.turns * len(SayGen(tok).ids)  # the greeting is not among them (2 turns' worth)
+    assert sum(mask) == sum(ep.loss_mask) == ep.turns * len(SayGen(tok).ids)  # 2 turns' worth: not the greeting
     assert "opening" not in json.dumps(rollout.openai_messages(ep.messages))
 
 
@@ -340,7 +340,7 @@ def test_pass_hat_k_both_ways():
     s = evaluate.summarize(eps, [1, 2], env.World())
     assert (s["all"]["pass^1"], s["all"]["pass^2"]) == (1.0, 1.0)  # b has one scored trial: left out of pass^2
     assert (s["all"]["pass^1_errored_0"], s["all"]["pass^2_errored_0"]) == (0.75, 0.5)
-    assert "pass^2, errored = 0" in evaluate.markdown({"m": {"w": s}}, [1, 2])
+    assert "pass^2, errored = 0 (tau2's way)" in evaluate.markdown({"m": {"w": s}}, [1, 2])
 
 
 def test_tasks_file_with_split_beside(tmp_path):
