@@ -214,7 +214,9 @@ def theirs(d, task, agent, user):
         sim = orch.run()
     except Exception:  # noqa: BLE001 - run.py's _run with skip_failed_samples
         return 0.0, "agent_error", None
-    ev = T["evaluator"]
+    ev, t = T["evaluator"], t.model_copy(deep=True)
+    t.evaluation_criteria.reward_basis = [b for b in t.evaluation_criteria.reward_basis  # NL assertions: kept apart
+                                          if getattr(b, "value", b) != "NL_ASSERTION"]   # on both sides (v1.0.x's)
     info = ev.evaluate_simulation(sim, t, ev.EvaluationType.ALL, solo_mode=False, domain=d.key)
     return float(info.reward), getattr(sim.termination_reason, "value", sim.termination_reason), sim
 
