@@ -1049,9 +1049,9 @@ class Tau2(World):
         return None if (msg.get("content") or "").strip() or msg.get("tool_calls") else "empty_turn"
 
     def end(self, ep):
-        """Orchestrator.run's checks after each step: too many errors, then the step budget, and they override a
-        user's stop (26.3's quirk: a stop on the last allowed step scores 0). Our own ends (max_tokens, a model that
-        failed) stay; a successful transfer ends nothing (the user answers ###TRANSFER###)."""
+        """Orchestrator.run's checks after each step (tau2_limit), which override a user's stop on the step that
+        reaches a limit (26.3's way: scored 0). Our own ends (max_tokens, a model that failed) stay; a successful
+        transfer ends nothing (the user answers ###TRANSFER###)."""
         if ep.end_reason not in ("", "user_stop", "transfer", "out_of_scope"):
             return ep.end_reason
         return tau2_limit(ep.messages, self.max_steps, self.max_errors) or ep.end_reason or \
