@@ -151,7 +151,7 @@ class ScriptBackend:
 
 
 def ours(d, task, agent, user):
-    """-> (reward, tau2's termination reason) of our loop."""
+    """-> (reward, tau2's termination reason, episode) of our loop."""
     w = copy.copy(d)
     w.user_spec = ScriptBackend(user)
     ep, = rollout.run_episodes(rollout.TextAgents(lambda t, s: ScriptAgent(agent)), w, [task])
@@ -161,8 +161,9 @@ def ours(d, task, agent, user):
 
 
 def theirs(d, task, agent, user):
-    """-> (reward, termination reason) of tau2's Orchestrator on the same scripts, scored as run.py scores it: a run
-    that raises (an empty agent turn) is recorded as skip_failed_samples records it, AGENT_ERROR with reward 0."""
+    """-> (reward, termination reason, SimulationRun) of tau2's Orchestrator on the same scripts, scored as run.py
+    scores it: a run that an empty agent turn stops (AssistantMessage.validate raises) is recorded as
+    --skip-failed-samples records it, AGENT_ERROR with reward 0."""
     from tau2.agent.base import BaseAgent
     from tau2.orchestrator.orchestrator import Orchestrator
     from tau2.user.base import BaseUser, UserState
@@ -181,7 +182,7 @@ def theirs(d, task, agent, user):
         def generate_next_message(self, message, state):
             self.n += 1
             return make(M.AssistantMessage, "assistant", next(self.turns, turn("Is there anything else?")),
-                           self.n), state
+                        self.n), state
 
         def get_init_state(self, message_history=None):
             return None
@@ -212,7 +213,9 @@ def theirs(d, task, agent, user):
                         max_steps=d.max_steps, max_errors=d.max_errors)
     try:
         sim = orch.run()
-    except Exception:  # noqa: BLE001 - run.py's _run with skip_failed_samples
+    except ValueError as e:  # run.py's _run catches any exception; here only the one the scripts can cause
+        if "must have either content or tool calls" not in str(e):
+            raise
         return 0.0, "agent_error", None
     ev, t = T["evaluator"], t.model_copy(deep=True)
     t.evaluation_criteria.reward_basis = [b for b in t.evaluation_criteria.reward_basis  # NL assertions: kept apart
@@ -228,9 +231,9 @@ def compare(name, tasks, behaviours=BEHAVIOURS):
     for task in tasks:
         for b in behaviours:
             agent, user, t = script(d, task, b)
-            a, b_, _ = ours(d, t, copy.deepcopy(agent), copy.deepcopy(user))
-            c, e, _ = theirs(d, t, copy.deepcopy(agent), copy.deepcopy(user))
-            rows.append((task["id"], b, (a, b_), (c, e)))
+            mine = ours(d, t, copy.deepcopy(agent), copy.deepcopy(user))[:2]
+            tau2s = theirs(d, t, copy.deepcopy(agent), copy.deepcopy(user))[:2]
+            rows.append((task["id"], b, mine, tau2s))
     return rows, [r for r in rows if r[2] != r[3]]
 
 
