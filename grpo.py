@@ -229,7 +229,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data-dir", default="data", help="synth.py's folder: shop.json and train_tasks.jsonl")
-    g.add_argument("--tasks", dest="tasks_file", default=None, help="or any tau2 tasks.json / our JSONL (with --db)")
+    g.add_argument("--tasks", dest="tasks_file", default=None, help="or any tau2 tasks.json / our JSONL (with --db); "
+                   "with --domain: its tasks on tau2's code (a split_tasks.json beside picks --split)")
     g.add_argument("--db", dest="db_file", default=None, help="the db.json the --tasks run on")
     g.add_argument("--domain", default=None, choices=env.TAU2_DOMAINS,
                    help="a tau2-bench domain, run and scored by tau2's own code (needs requirements-tau2.txt)")
@@ -252,7 +253,8 @@ def main(argv=None):
     g.add_argument("--batch-tasks", type=int, default=8, help="B: tasks per step (global)")
     g.add_argument("--group", type=int, default=8, help="G: rollouts per task")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (also in the ratio)")
-    g.add_argument("--max-turns", type=int, default=16, help="agent turns per episode (paper: 30)")
+    g.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (default 16, paper: 30; with "
+                   "--domain: none, tau2's own 200 steps and 10 errors end it, and a value here can only lower that)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per agent turn (the tiny model's longest ~40)")
     g.add_argument("--max-len", type=int, default=1024, help="tokens per episode (tiny: an oracle one is <600)")
     g.add_argument("--reward-basis", default="task", choices=["db", "task"],
@@ -291,7 +293,7 @@ def main(argv=None):
             ("--temperature", a.temperature > 0, "> 0 (GRPO's ratio divides the logits by it)"),
             ("--group", a.group >= 2, ">= 2 (a group of one has no spread, so never an update)"),
             ("--batch-tasks", a.batch_tasks >= n_ranks, f">= the number of ranks ({n_ranks})"),
-            ("--steps", a.steps >= 1, ">= 1"), ("--max-turns", a.max_turns >= 1, ">= 1"),
+            ("--steps", a.steps >= 1, ">= 1"), ("--max-turns", a.max_turns is None or a.max_turns >= 1, ">= 1"),
             ("--max-new-tokens", a.max_new_tokens >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
             ("--lr", a.lr > 0, "> 0"), ("--clip", a.clip > 0, "> 0"), ("--beta", a.beta >= 0, ">= 0"),
             ("--ppo-epochs", a.ppo_epochs >= 1, ">= 1"), ("--mini-batches", a.mini_batches >= 1, ">= 1"),
@@ -321,13 +323,13 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
         train_tasks, tasks_path = world.tasks(split), f"{world.name} split {split}"
     elif domain:  # a tau2 domain on tau2's code: its split, tools, policy, users and evaluator
         world = env.Tau2(domain, db=db_file, user=users, guidelines=guidelines, max_turns=max_turns)
-        train_tasks = world.tasks(split, path=tasks_file)  # a tasks file in tau2's format replaces the split
-        tasks_path = tasks_file or f"tau2 {domain} split {split}"
+        train_tasks = world.tasks(split, path=tasks_file)
+        tasks_path = f"tau2 {domain} split {split} of {tasks_file or 'its tasks'}"
     else:
         tasks_path = tasks_file or os.path.join(data_dir, "train_tasks.jsonl")
         beside = env.guidelines_beside(tasks_file)  # tau2's, where its tasks file sits in tau2's data layout
         world = env.Shop(env.load_db(db_file or os.path.join(data_dir, "shop.json")), user=users,
-                         max_turns=max_turns, policy=env.policy_text(policy_file, tasks_file),
+                         max_turns=max_turns or 16, policy=env.policy_text(policy_file, tasks_file),
                          guidelines=guidelines or (env.load_guidelines(beside) if beside else None))
         train_tasks = env.load_tasks(tasks_path)
     if not train_tasks:

@@ -85,9 +85,10 @@ def agent_view(messages):
     return [m for m in messages if m.get("side") != "user"]
 
 def encode_conversation(tok, messages, tools=None):
-    """ids and loss mask (1 on assistant turns) of a finished conversation, exactly as a rollout builds them."""
+    """ids and loss mask (1 on assistant turns) of a finished conversation, exactly as a rollout builds them. The
+    world's opening (marked "opening": a greeting, a history) is prompt, never trained on."""
     messages = agent_view(messages)
-    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant" and not m.get("opening")), None)
     if first is None:
         raise ValueError("a conversation to train on needs at least one assistant message")
     ids = encode(tok, render(tok, messages[:first], tools, add_generation_prompt=True))
@@ -119,7 +120,8 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     user_tool_calls: int = 0            # the user's own calls (dual control), run on the user's side of the world
-    # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error | agent_error | agent_stop
+    # user_stop | transfer | out_of_scope | max_turns | max_tokens | user_error | agent_error | agent_stop, and the
+    # world's own (env.Tau2: max_steps | too_many_errors | empty_turn)
     end_reason: str = ""
     errored: bool = False               # the user's or an endpoint agent's model failed: never scored, never 0
     error: str = ""                     # why it errored, when known
@@ -157,6 +159,8 @@ def run_episodes(agent, world, tasks, *, seed=0):
             ep.messages.append(world.parse(text))
             if not complete:  # ran out of new tokens mid-turn
                 ep.end_reason = "max_tokens"
+            elif why := world.refuse(ep.messages[-1]):  # e.g. an empty turn, where the world has no use for one
+                ep.end_reason = why
             elif ep.messages[-1].get("tool_calls"):
                 to_tools.append(i)
             elif users[i] is None:  # no user to answer: the agent's words end the episode
@@ -178,7 +182,7 @@ def run_episodes(agent, world, tasks, *, seed=0):
                 extend(agent, world, eps[i], [{"role": "user", "content": reply}])
         check_users(eps, users, to_user)
         for i in live:
-            eps[i].end_reason = eps[i].end_reason or world.end(eps[i]) or ""
+            eps[i].end_reason = world.end(eps[i]) or ""
     return eps
 
 def extend(agent, world, ep, messages):
@@ -885,7 +889,7 @@ def openai_messages(messages):
     """Our transcript -> the chat API's: arguments as JSON strings, ids pairing each tool result with its call."""
     out, pending = [], []
     for m in messages:
-        m = dict(m)
+        m = {k: v for k, v in m.items() if k != "opening"}  # our mark, no chat API's field
         if m.get("tool_calls"):
             calls = []
             for k, c in enumerate(m["tool_calls"]):

@@ -47,6 +47,8 @@ def main(argv=None):
     g.add_argument("--tau1", default=None, choices=["retail", "airline"], help="play a tau-bench v1 domain's split "
                    "(../shared/tau1; retail train: the paper's 500 tasks); out: <data-dir>/sft_tau1_<domain>.jsonl")
     g.add_argument("--split", default="train", help="with --domain or --tau1: the task split")
+    g.add_argument("--tasks", dest="tasks_file", default=None, help="with --domain: a tau2 tasks.json (e.g. v1.0.x's) "
+                   "instead of the installed tau2's; a split_tasks.json beside it picks --split")
     g = p.add_argument_group("agent and tools")
     g.add_argument("--agent", default="oracle", help="'oracle' (gold plan), a model path or an OpenAI-compatible URL")
     g.add_argument("--agent-model", default=None, help="model name at the --agent endpoint")
@@ -59,7 +61,8 @@ def main(argv=None):
     g.add_argument("--judge", default=None, help="an LLM judge: an OpenAI-compatible URL or a model path")
     g.add_argument("--judge-model", default=None, help="model name at the --judge endpoint")
     g = p.add_argument_group("rollout")
-    g.add_argument("--max-turns", type=int, default=30, help="agent turns per episode")
+    g.add_argument("--max-turns", type=int, default=None, help="agent turns per episode (default 30; with --domain: "
+                   "none, tau2's own 200 steps and 10 errors end it, and a value here can only lower that)")
     g.add_argument("--chunk", type=int, default=64, help="episodes played together")
     g.add_argument("--seed", type=int, default=0, help="seeds the generated shop and the users' wording")
     g = p.add_argument_group("MCP server mode")
@@ -68,7 +71,7 @@ def main(argv=None):
     g.add_argument("--max-episodes", type=int, default=16, help="with --mcp-server: episode dbs kept at once")
     args = p.parse_args(argv)
     check_flags(p, args, [("--n-tasks", args.n_tasks is None or args.n_tasks >= 1, ">= 1")] + [
-        (f"--{k.replace('_', '-')}", getattr(args, k) >= 1, ">= 1")
+        (f"--{k.replace('_', '-')}", getattr(args, k) is None or getattr(args, k) >= 1, ">= 1")
         for k in ("n_users", "n_train", "n_test", "max_turns", "chunk", "max_episodes")])
     if args.mcp_server:
         if not args.db:
@@ -95,7 +98,7 @@ def main(argv=None):
     if args.user == "cooperative":  # the oracle plays the task the cooperative user has in mind: its final request
         playable = [env.cooperative_task(t) for t in playable]
     make_agent = OracleAgent if args.agent == "oracle" else _teacher(args, llm)
-    kw = dict(user=user_backend(args.user, args.user_model, **llm), max_turns=args.max_turns,
+    kw = dict(user=user_backend(args.user, args.user_model, **llm), max_turns=args.max_turns or 30,
               guidelines=env.load_guidelines(args.user_guidelines) if args.user_guidelines else None)
     died = None
     try:
@@ -167,12 +170,14 @@ def simulator_summary(checks):
 
 def synth_tau2(a, llm):
     """--domain: tau2's split on tau2's code (env.Tau2), kept where tau2's evaluator scores 1 on the task's own
-    reward basis; --tau1: a tau-bench v1 split (env.Tau1), kept where v1's reward is 1. The oracle is the gold replay
-    (env.GoldAgent, one call a message where the world runs only the first, and env.GoldUser unless --user)."""
+    reward basis (of a --tasks file's split, if given); --tau1: a tau-bench v1 split (env.Tau1), kept where its reward
+    1. The oracle is the gold replay (env.GoldAgent, one call a message where the world runs only the first, and
+    env.GoldUser unless --user)."""
     kw = dict(user=user_backend(a.user, a.user_model, **llm), max_turns=a.max_turns,
               guidelines=env.load_guidelines(a.user_guidelines) if a.user_guidelines else None)
     d = env.Tau1(a.tau1, **kw) if a.tau1 else env.Tau2(a.domain, **kw)
-    tasks = d.tasks(a.split)[:a.n_tasks]
+    tasks = d.tasks(a.split, path=a.tasks_file)[:a.n_tasks]
+    # a teacher gets the world's tool schemas
     make_agent = (lambda t, s: env.GoldAgent(t, s, d.calls_per_message)) if a.agent == "oracle" else _teacher(a, llm)
     eps = synthesize(tasks, d, TextAgents(make_agent), chunk=a.chunk, seed=a.seed, basis="task",
                      desc=f"synth ({d.name})")  # a teacher gets the world's tool schemas

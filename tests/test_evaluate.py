@@ -54,7 +54,8 @@ def test_evaluate_cli(world):
     tasks = env.load_tasks(world.data / "test_tasks.jsonl")
     kinds = sorted({t["kind"] for t in tasks})
     lines = r.stdout.splitlines()
-    assert "| model | world | tasks | pass^1 [95% CI] | pass^2 [95% CI] | figures |" in lines
+    assert ("| model | world | tasks | pass^1 [95% CI] | pass^2 [95% CI] | pass^1, errored = 0 (tau2's way) | "
+            "pass^2, errored = 0 (tau2's way) | figures |") in lines
     for name in ("base", "sft"):
         assert any(line.startswith(f"| {name} | shop | {len(tasks)} | ") for line in lines), r.stdout
         for kind in kinds:
@@ -417,7 +418,8 @@ def test_tiny_model_plays_every_category(bfcl_ckpt, tmp_path, monkeypatch, capsy
     assert all("ids" not in r and r["messages"][0]["role"] == "user" for r in rows)  # no system prompt, as BFCL
     assert sum(r["end_reason"] == "user_stop" for r in rows) >= 4  # most episodes reach their last turn
     table = (out / "results.md").read_text().strip()
-    assert table.splitlines()[0] == "| model | world | tasks | pass^1 [95% CI] | figures |"
+    assert table.splitlines()[0] == ("| model | world | tasks | pass^1 [95% CI] | pass^1, errored = 0 (tau2's way) "
+                                     "| figures |")
     assert all(f"multi_turn_{c}" in table for c in ("base", "miss_func", "miss_param", "long_context"))
     assert table in capsys.readouterr().out
     assert json.loads((out / "results.json").read_text()) == res
