@@ -1650,6 +1650,23 @@ def _as_user_hears(m):
 # (cancelling refunds no gift card or certificate, seats never change, new ids come from three fixed ones, a missing
 # reservation is 'user not found'). Each is tool(data, **args) -> the text the agent sees.
 
+def _price_segment(data, flight, cabin, seats):
+    """v1's checks of one new segment, in its order, then the segment priced from its day -> v1's error text or None.
+    seats: a callable, so that the passengers are counted where v1 counts them."""
+    n = flight["flight_number"]
+    if n not in data["flights"]:
+        return f"Error: flight {n} not found"
+    f = data["flights"][n]
+    if flight["date"] not in f["dates"]:
+        return f"Error: flight {n} not found on date {flight['date']}"
+    day = f["dates"][flight["date"]]
+    if day["status"] != "available":
+        return f"Error: flight {n} not available on date {flight['date']}"
+    if day["available_seats"][cabin] < seats():
+        return f"Error: not enough seats on flight {n}"
+    flight["price"], flight["origin"], flight["destination"] = day["prices"][cabin], f["origin"], f["destination"]
+    return None
+
 def book_reservation(data, user_id, origin, destination, flight_type, cabin, flights, passengers, payment_methods,
                      total_baggages, nonfree_baggages, insurance):
     reservations, users = data["reservations"], data["users"]
@@ -1663,18 +1680,8 @@ def book_reservation(data, user_id, origin, destination, flight_type, cabin, fli
                    "total_baggages": total_baggages, "nonfree_baggages": nonfree_baggages, "insurance": insurance}
     total = 0
     for flight in reservation["flights"]:
-        n = flight["flight_number"]
-        if n not in data["flights"]:
-            return f"Error: flight {n} not found"
-        f = data["flights"][n]
-        if flight["date"] not in f["dates"]:
-            return f"Error: flight {n} not found on date {flight['date']}"
-        day = f["dates"][flight["date"]]
-        if day["status"] != "available":
-            return f"Error: flight {n} not available on date {flight['date']}"
-        if day["available_seats"][cabin] < len(passengers):
-            return f"Error: not enough seats on flight {n}"
-        flight["price"], flight["origin"], flight["destination"] = day["prices"][cabin], f["origin"], f["destination"]
+        if err := _price_segment(data, flight, cabin, lambda: len(passengers)):
+            return err
         total += flight["price"] * len(passengers)
     if insurance == "yes":
         total += 30 * len(passengers)
@@ -1802,18 +1809,8 @@ def update_reservation_flights(data, reservation_id, cabin, flights, payment_id)
             flight["price"], flight["origin"], flight["destination"] = (old[0]["price"], old[0]["origin"],
                                                                         old[0]["destination"])
             continue
-        n = flight["flight_number"]
-        if n not in data["flights"]:
-            return f"Error: flight {n} not found"
-        f = data["flights"][n]
-        if flight["date"] not in f["dates"]:
-            return f"Error: flight {n} not found on date {flight['date']}"
-        day = f["dates"][flight["date"]]
-        if day["status"] != "available":
-            return f"Error: flight {n} not available on date {flight['date']}"
-        if day["available_seats"][cabin] < n_pass():
-            return f"Error: not enough seats on flight {n}"
-        flight["price"], flight["origin"], flight["destination"] = day["prices"][cabin], f["origin"], f["destination"]
+        if err := _price_segment(data, flight, cabin, n_pass):
+            return err
         total += flight["price"] * n_pass()
     total -= sum(f["price"] for f in reservation["flights"]) * n_pass()
     if err := _pay_update(data, reservation, payment_id, total):
