@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 import env
-from rollout import (TINY_BASE, ChatAgent, TextAgents, TokenAgent, add_user_args, all_errored, check_flags,
+from rollout import (TINY_BASE, ChatAgent, TextAgents, TokenAgent, add_user_args, all_errored, check_flags, cpu_threads,
                      errored_reasons, errored_summary, load_agent, require_vllm, run_episodes, short_reason,
                      user_backend)
 
@@ -211,6 +211,7 @@ def main(argv=None):
     g.add_argument("--out", default=None, help="results.json, results.md, a transcript JSONL per model and world "
                                                 "(default: out/eval)")
     a = p.parse_args(argv)
+    cpu_threads()  # the same numbers on any CPU (rollout.cpu_threads)
     check_flags(p, a, [  # checked up front: one line naming the flag and what it may be
             ("--k", a.k >= 1, ">= 1"), ("--temperature", a.temperature >= 0, ">= 0 (0: greedy)"),
             ("--n-tasks", a.n_tasks is None or a.n_tasks >= 1, ">= 1"),

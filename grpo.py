@@ -57,10 +57,10 @@ from tqdm import tqdm
 
 import env
 from rollout import (AdapterOff, HFGenerator, ModelSetup, Ranks, TokenAgent, VLLMGenerator, add_scale_args,
-                     add_user_args, autocast, check_flags, claim_or_stop, clip_grad, errored_reasons, load_model,
-                     load_optimizer_state, load_train_state, logprobs_chunked, open_metrics, pad_batch, require_vllm,
-                     resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed, unwrap,
-                     user_backend)
+                     add_user_args, autocast, check_flags, claim_or_stop, clip_grad, cpu_threads, errored_reasons,
+                     load_model, load_optimizer_state, load_train_state, logprobs_chunked, open_metrics, pad_batch,
+                     require_vllm, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed,
+                     unwrap, user_backend)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -288,6 +288,7 @@ def main(argv=None):
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
     add_scale_args(p)
     a = p.parse_args(argv)
+    cpu_threads()  # the same numbers on any CPU (rollout.cpu_threads)
     n_ranks = int(os.environ.get("WORLD_SIZE", "1"))
     check_flags(p, a, [  # checked up front: a bad value used to give NaN, no update or no checkpoint
             ("--temperature", a.temperature > 0, "> 0 (GRPO's ratio divides the logits by it)"),

@@ -475,14 +475,18 @@ def save_checkpoint(out_dir, step, model, tok, optimizer=None, extra=None):
                os.path.join(tmp, "train_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    Path(out_dir, "latest.tmp").write_text(name)
-    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+    point_latest(out_dir, name)
     done = sorted(d for d in os.listdir(out_dir) if d.startswith("step_") and not d.endswith(".tmp"))
     for old in [d for d in done if d != name][:-1]:  # keep the one just written and the newest other
         shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     return final
 
-RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init")  # plus step_* folders
+def point_latest(out_dir, name):
+    """Atomically make out_dir/latest name the checkpoint folder `name` (relative to out_dir)."""
+    Path(out_dir, "latest.tmp").write_text(name)
+    os.replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+
+RUN_FILES = ("metrics.jsonl", "latest", "latest.tmp", "reward.png", "init", "best")  # plus step_* folders
 
 def load_train_state(run_dir):
     """The latest checkpoint's train_state.pt, memory-mapped: a rank reads only what it touches (its shard), from
@@ -1110,6 +1114,14 @@ def process_group_spec(cuda, local_rank):
     """-> (init_process_group's backend, this rank's device): on GPUs NCCL for CUDA tensors and gloo for CPU ones
     (token counts, metrics, CPU-offloaded shards); on CPUs gloo alone."""
     return ("cpu:gloo,cuda:nccl", f"cuda:{local_rank}") if cuda else ("gloo", "cpu")
+
+CPU_THREADS = 2  # the CPU demo's reference: 2 cores
+
+def cpu_threads():
+    """On a CPU, fix torch's thread count ($OMP_NUM_THREADS, else CPU_THREADS): a kernel's sums run in an order that
+    depends on it, so the demo gives the same numbers on any machine only at the same count."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or CPU_THREADS))
 
 def setup_distributed():
     if "RANK" not in os.environ:

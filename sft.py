@@ -38,17 +38,19 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 import env
-from rollout import (LOGPROB_CHUNK, TINY_BASE, ModelSetup, add_scale_args, all_reduce_sum, autocast, chatml_template,
-                     check_flags, claim_or_stop, clip_grad, encode_conversation, load_model, load_optimizer_state,
-                     load_train_state, logprobs_chunked, open_metrics, pad_batch, render, save_checkpoint,
-                     set_thinking, setup_distributed, token_logprobs, unwrap)
+from rollout import (LOGPROB_CHUNK, TINY_BASE, HFGenerator, ModelSetup, TokenAgent, add_scale_args, all_reduce_sum,
+                     autocast, chatml_template, check_flags, claim_or_stop, clip_grad, cpu_threads, encode_conversation,
+                     load_model, load_optimizer_state, load_train_state, logprobs_chunked, open_metrics, pad_batch,
+                     point_latest, render, run_episodes, save_checkpoint, set_thinking, setup_distributed,
+                     token_logprobs, unwrap)
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data", default="data/sft.jsonl", help="synth.py's conversations, one JSON object a line")
     g.add_argument("--max-len", type=int, default=2048, help="conversations are truncated to this many tokens")
-    g.add_argument("--eval-frac", type=float, default=0.05, help="share of conversations held out for eval")
+    g.add_argument("--eval-frac", type=float, default=0.1, help="share of conversations held out, with their tasks: "
+                   "their loss is measured, and their tasks are the validation tasks (--patience)")
     g.add_argument("--redraw", default="auto", choices=["auto", "on", "off"],
                    help="re-draw ids and names in every step's conversations (auto: on for the tiny family)")
     g = p.add_argument_group("model")
@@ -63,7 +65,8 @@ def main(argv=None):
     g.add_argument("--copy-warmup", type=int, default=900, help="tiny: at most this many short copy steps, + 1/3 long")
     g.add_argument("--copy-mix", type=int, default=4, help="tiny family: copy sequences mixed into every SFT step")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=600, help="optimizer steps (the CPU demo: about 6 min)")
+    g.add_argument("--steps", type=int, default=1500, help="optimizer steps at most (the schedule's length); "
+                   "--patience may stop earlier")
     g.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch (per rank)")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (tiny from scratch; ~1e-5 for an 8B)")
@@ -73,18 +76,23 @@ def main(argv=None):
     g.add_argument("--seed", type=int, default=0, help="seeds the data order, the tiny model and its curriculum")
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--out", default="out/sft", help="run folder: metrics.jsonl, step_N/ checkpoints, latest")
-    g.add_argument("--eval-every", type=int, default=50, help="held-out evaluation every n steps")
+    g.add_argument("--eval-every", type=int, default=50, help="held-out evaluation and validation every n steps")
+    g.add_argument("--patience", type=int, default=4, help="stop after this many validations without a higher "
+                   "success rate on the held-out tasks; the run's model is then its best (0: run every --steps; "
+                   "validation needs train_tasks.jsonl and shop.json beside --data)")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every n steps (and at the end)")
     g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")
     add_scale_args(p)
     a = p.parse_args(argv)
+    cpu_threads()  # the same numbers on any CPU (rollout.cpu_threads)
     check_flags(p, a, [  # up front: a bad value would train quietly at loss 0, or crash late
             ("--steps", a.steps >= 1, ">= 1"), ("--batch-size", a.batch_size >= 1, ">= 1"),
             ("--grad-accum", a.grad_accum >= 1, ">= 1"), ("--max-len", a.max_len >= 2, ">= 2"),
             ("--eval-frac", 0 <= a.eval_frac < 1, "in [0, 1)"), ("--lr", a.lr > 0, "> 0"),
             ("--warmup", a.warmup >= 0, ">= 0"), ("--weight-decay", a.weight_decay >= 0, ">= 0"),
             ("--grad-clip", a.grad_clip > 0, "> 0"), ("--eval-every", a.eval_every >= 1, ">= 1"),
+            ("--patience", a.patience >= 0, ">= 0"),
             ("--save-every", a.save_every >= 1, ">= 1"), ("--vocab-size", a.vocab_size >= 1, ">= 1"),
             ("--d-model", a.d_model >= 1, ">= 1"), ("--n-layer", a.n_layer >= 1, ">= 1"),
             ("--n-head", a.n_head >= 1 and a.d_model % a.n_head == 0, ">= 1 and a divisor of --d-model"),
@@ -97,10 +105,12 @@ def main(argv=None):
 
 def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, weight_decay, grad_clip, max_len,
           eval_every, eval_frac, save_every, resume, thinking, redraw, copy_mix, seed, fsdp, cpu_offload,
-          activation_checkpointing, lora_rank, lora_alpha):
+          activation_checkpointing, lora_rank, lora_alpha, patience=0):
     """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
     `redraw` is "on", "off" or "auto" (on for the tiny family); `copy_mix` copy sequences join every step of a
-    tiny-family model. The last five arguments are rollout.add_scale_args' flags. -> (model, tokenizer)."""
+    tiny-family model. With `patience`, training stops once that many validations in a row found no higher success
+    on the held-out tasks, and the run's `latest` names its best checkpoint (best/). The last five arguments are
+    rollout.add_scale_args' flags. -> (model, tokenizer)."""
     rank, n_ranks, device = setup_distributed()
     setup = ModelSetup.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
                                lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
@@ -115,12 +125,17 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         raise SystemExit(f"sft.py: {data} holds {len(convs)} conversations: too few to hold out {n_eval} for "
                          "evaluation and train on the rest")
     random.Random(seed).shuffle(convs)
+    held_convs, train_convs, held_ids = split_heldout(convs, n_eval)
+    val = validation(data, held_ids) if patience else None  # (world, its validation tasks) or None
     os.makedirs(out, exist_ok=True)
     start, warm, state = 0, {}, {}
     if resume and os.path.isfile(os.path.join(out, "latest")):  # with LoRA: the base model and the saved adapter
         net, tok = load_model(model if lora_rank else out, **setup.load_kw)
         state = load_train_state(out)  # memory-mapped: AdamW's state is read shard by shard
         start = state["step"]
+        if state.get("stopped"):  # `latest` names the best checkpoint of a run that stopped early
+            print(f"sft.py: {out} stopped early; its model is step {start}'s (the best validated)", flush=True)
+            return net, tok
     elif tiny:
         tok, net, warm = tiny_model(convs, tiny, lr=lr, seed=seed, device=device,
                                     init_dir=os.path.join(out, "init") if rank == 0 else None)
@@ -134,7 +149,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     def encode_truncated(c):  # rollout.encode_conversation, cut at max_len -> (ids, mask)
         ids, mask = encode_conversation(tok, c["messages"], c.get("tools"))
         return ids[:max_len], mask[:max_len]
-    held, train_convs = [encode_truncated(c) for c in convs[:n_eval]], convs[n_eval:]
+    held = [encode_truncated(c) for c in held_convs]
     encoded = None if redraw else [encode_truncated(c) for c in train_convs]  # with redraw, each step encodes afresh
     probe = encoded or [encode_truncated(c) for c in train_convs[:32]]
     if not any(sum(m[1:]) for _, m in probe):  # the loss is on agent tokens: with none left it is 0 and learns nothing
@@ -148,6 +163,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         load_optimizer_state(net, opt, state["optimizer"])
     log = open_metrics(os.path.join(out, "metrics.jsonl"), start) if rank == 0 else None
     per_step = batch_size * grad_accum * n_ranks
+    best = state.get("best", {"success": -1.0, "step": 0, "since": 0})  # the validation record, resumed with the run
     bar = tqdm(range(start, steps), initial=start, total=steps, disable=rank != 0, desc="sft")
     for step in bar:
         t0 = time.time()
@@ -180,10 +196,19 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         opt.zero_grad(set_to_none=True)
         rec = {"step": step + 1, "loss": float(loss_t), "lr": opt.param_groups[0]["lr"],
                "grad_norm": float(gnorm), "tokens": total, "sec": round(time.time() - t0, 3)}
+        validated = False
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             rec.update(eval_heldout(unwrap(net), tok, held, batch_size, device))
             if copy_mix:
                 rec["copy_acc"] = copy_accuracy(unwrap(net), tok, device)
+            if val:  # greedy, one episode per held-out task; every rank plays the same episodes
+                t1 = time.time()
+                rec["val_success"] = validate(unwrap(net), tok, *val)
+                rec["val_s"] = round(time.time() - t1, 1)
+                validated = rec["val_success"] > best["success"]
+                best = ({"success": rec["val_success"], "step": step + 1, "since": 0} if validated
+                        else {**best, "since": best["since"] + 1})
+                rec["val_best_step"] = best["step"]
         if step == start:
             rec.update(warm)
         if rank == 0:
@@ -192,8 +217,18 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
             bar.set_postfix(loss=f"{rec['loss']:.3f}", **shown)
             log.write(json.dumps(rec) + "\n")
             log.flush()
-        if (step + 1) % save_every == 0 or step + 1 == steps:  # every rank: FSDP gathers the weights first
-            save_checkpoint(out, step + 1, net, tok, opt)
+        stop = val is not None and best["since"] >= patience
+        if validated:  # the best validated weights so far, kept apart from the rolling checkpoints
+            save_checkpoint(os.path.join(out, "best"), step + 1, net, tok, extra={"stopped": True})
+        if (step + 1) % save_every == 0 or step + 1 == steps or stop:  # every rank: FSDP gathers the weights
+            save_checkpoint(out, step + 1, net, tok, opt, extra={"best": best})
+        if stop:
+            break
+    if val is not None and best["step"] and rank == 0:  # the run's model is its best validated checkpoint
+        point_latest(out, os.path.join("best", open(os.path.join(out, "best", "latest")).read().strip()))
+        print(f"sft.py: validation success peaked at {best['success']:.3f} at step {best['step']}: "
+              f"{out}/latest names that checkpoint", flush=True)
+        net, tok = load_model(out, **setup.load_kw)  # returned: the model the run folder now names
     if n_ranks > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -232,6 +267,35 @@ def eval_heldout(model, tok, data, batch_size, device):
         hit, n, dhit, dn = hit + int(ok.sum()), n + int(m.sum()), dhit + int((ok & d).sum()), dn + int(d.sum())
     model.train()
     return {"eval_loss": nll / max(1, n), "eval_acc": hit / max(1, n), "eval_id_acc": dhit / max(1, dn)}
+
+def split_heldout(convs, n_eval):
+    """Held out: the first n_eval conversations and every other conversation of their tasks, so that no validation
+    task is trained on. -> (held-out conversations, training conversations, held-out task ids)."""
+    key = lambda i, c: str(c.get("task_id", f"#{i}"))  # a conversation without a task id is its own task
+    ids = {key(i, c) for i, c in enumerate(convs[:n_eval])}
+    held = [c for i, c in enumerate(convs) if key(i, c) in ids]
+    return held, [c for i, c in enumerate(convs) if key(i, c) not in ids], ids
+
+def validation(data, held_ids):
+    """The held-out conversations' tasks as a validation set on the training side, where synth.py's train_tasks.jsonl
+    and shop.json sit beside `data` -> (world, tasks), else None (conversations from elsewhere: no validation)."""
+    folder = os.path.dirname(os.path.abspath(data))
+    tasks_path, db_path = os.path.join(folder, "train_tasks.jsonl"), os.path.join(folder, "shop.json")
+    if not (os.path.isfile(tasks_path) and os.path.isfile(db_path)):
+        print(f"sft.py: no train_tasks.jsonl and shop.json beside {data}: no validation, all --steps run", flush=True)
+        return None
+    tasks = [t for t in env.load_tasks(tasks_path) if str(t["id"]) in held_ids]
+    return (env.Shop(env.load_db(db_path), max_turns=16), tasks) if tasks else None
+
+@torch.no_grad()
+def validate(model, tok, world, tasks, seed=0):
+    """Greedy success rate on the validation tasks, one episode each with the scripted user, as evaluate.py plays
+    them (64 new tokens a turn, 1024 an episode)."""
+    agent = TokenAgent(HFGenerator(model, tok), tok, max_new_tokens=64, temperature=0.0, max_len=1024)
+    eps = run_episodes(agent, world, tasks, seed=seed)
+    for ep, task in zip(eps, tasks):
+        world.score(ep, task)
+    return sum(ep.reward for ep in eps) / len(eps)
 
 def load_conversations(path):
     out = []

@@ -19,10 +19,15 @@ def one_thread():
     other (a 10x slowdown measured). One thread per process is faster and steadier."""
     import torch  # here, not at the top: test files that never use torch do not pay for importing it
 
-    n = torch.get_num_threads()
+    n, env_n = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # what a stage's main() sets (rollout.cpu_threads)
     yield
     torch.set_num_threads(n)
+    if env_n is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = env_n
 
 
 @pytest.fixture

@@ -64,9 +64,11 @@ def one_seed(seed, root):
         print(f"seed {seed}: {name} {rec['sec'][name]} s, peak RSS {rec['rss_gb'][name]} GB", flush=True)
     # the compute-matched arm: SFT continued for GRPO's wall time, at the speed SFT's own steps ran
     sft_rows = [json.loads(x) for x in open(d("sft", "metrics.jsonl"))]
-    sec_per_step = sum(r["sec"] for r in sft_rows) / len(sft_rows)
+    sec_per_step = sum(r["sec"] for r in sft_rows) / len(sft_rows)  # training steps alone, not validations
     n = max(1, round(rec["sec"]["grpo"] / sec_per_step))
-    end_lr = sft_rows[-1]["lr"]
+    chosen = int(open(d("sft", "latest")).read().strip().rsplit("_", 1)[1])  # the step SFT's validation chose
+    end_lr = next(r["lr"] for r in sft_rows if r["step"] == chosen)
+    rec["sft_steps"], rec["sft_chosen_step"] = len(sft_rows), chosen
     rec.update(sft_sec_per_step=round(sec_per_step, 3), sft_more_steps=n, sft_more_lr=end_lr)
     more = ["sft.py", "--model", d("sft"), "--data", d("data", "sft.jsonl"), "--out", d("sft_more"), "--overwrite",
             "--steps", str(n), "--lr", str(end_lr), "--warmup", "0", "--eval-every", str(n), "--save-every", str(n), *s]
@@ -84,11 +86,15 @@ def one_seed(seed, root):
     return rec
 
 
+KINDS = {}  # task id -> its kind, from the transcripts read
+
+
 def per_task(path):
     """A transcript JSONL -> {task_id: [rewards of its trials]} (errored episodes left out, as in evaluate.py)."""
     out = {}
     for line in open(path):
         e = json.loads(line)
+        KINDS[e["task_id"]] = e.get("kind", "")
         if not e.get("errored"):
             out.setdefault(e["task_id"], []).append(float(e["reward"]))
     return out
@@ -137,15 +143,24 @@ def report(out, seeds):
             effects[f"{a} - {b}, {name}"] = [round(m, 1), round(lo, 1), round(hi, 1)]
     lines += ["", "| difference (points, paired over tasks) | mean | 95% interval |", "|---|---|---|"]
     lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] |" for k, v in effects.items()]
-    lines += ["", "| seed | pipeline (s) | peak RSS (GB) | GRPO (s) | SFT-more steps |", "|---|---|---|---|---|"]
-    lines += [f"| {r['seed']} | {r['pipeline_sec']:.0f} | {r['pipeline_rss_gb']:.2f} | {r['sec']['grpo']:.0f} | "
-              f"{r['sft_more_steps']} |" for r in recs]
+    kinds = sorted({KINDS[t] for s in seeds for t in table[s]["sft"]})
+    by_kind = {k: {r: 100 * sum(x[0] for s in seeds for t, x in table[s][r].items() if KINDS[t] == k)
+                   / max(1, sum(KINDS[t] == k for s in seeds for t in table[s][r])) for r in ROWS} for k in kinds}
+    lines += ["", "| task kind (tasks over seeds) | " + " | ".join(ROWS[1:]) + " | MUA-RL - SFT |",
+              "|---|" + "---|" * len(ROWS)]
+    lines += [f"| {k} ({sum(KINDS[t] == k for s in seeds for t in table[s]['sft'])}) | "
+              + " | ".join(f"{v[r]:.1f}" for r in ROWS[1:]) + f" | {v['mua-rl'] - v['sft']:+.1f} |"
+              for k, v in by_kind.items()]
+    lines += ["", "| seed | pipeline (s) | peak RSS (GB) | SFT steps (chosen) | GRPO (s) | SFT-more steps |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['seed']} | {r['pipeline_sec']:.0f} | {r['pipeline_rss_gb']:.2f} | {r.get('sft_steps', '-')} "
+              f"({r.get('sft_chosen_step', '-')}) | {r['sec']['grpo']:.0f} | {r['sft_more_steps']} |" for r in recs]
     md = "\n".join(lines)
     print(md)
     with open(os.path.join(out, "study.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(out, "study.json"), "w") as f:
-        json.dump({"records": recs, "rows": summary, "effects": effects}, f, indent=1)
+        json.dump({"records": recs, "rows": summary, "effects": effects, "by_kind": by_kind}, f, indent=1)
     plot_rewards(out, seeds)
 
 

@@ -81,7 +81,7 @@ def test_sft_lowers_heldout_loss(sft_data, tmp_path):
     random.Random(0).shuffle(convs)  # the default --seed
     m0, tok0 = rollout.load_model(str(out / "init"))
     held = [rollout.encode_conversation(tok0, c["messages"], c["tools"])
-            for c in convs[:max(1, int(len(convs) * 0.05))]]  # the default --eval-frac
+            for c in sft.split_heldout(convs, max(1, int(len(convs) * 0.1)))[0]]  # the default --eval-frac
     held = [(i[:args["max_len"]], m[:args["max_len"]]) for i, m in held]
     base = sft.eval_heldout(m0, tok0, held, 4, "cpu")["eval_loss"]
     assert evals[-1] < 0.6 * base, (evals[-1], base)
@@ -402,6 +402,64 @@ def test_rerun_into_a_run_folder_needs_resume_or_overwrite(small_data, tmp_path,
     assert "deleted the earlier run" in capsys.readouterr().out
     assert (out / "latest").read_text().strip() == "step_000002" and (out / "step_000002").is_dir()
     assert not (out / "step_000004").exists() and [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.fixture
+def data_folder(db, train_tasks, conversations, tmp_path):
+    """synth.py's layout: sft.jsonl with train_tasks.jsonl and shop.json beside it (what validation needs)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "sft.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations[:60]))
+    env.save_tasks(train_tasks, data / "train_tasks.jsonl")
+    (data / "shop.json").write_text(json.dumps(db))
+    return data
+
+
+def test_patience_stops_at_the_best_validation_and_latest_names_it(data_folder, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    scores, seen = iter([0.1, 0.3, 0.2, 0.3, 0.1, 0.9]), []
+    def fake_validate(model, tok, world, tasks, seed=0):  # the success rates of validations 1, 2, ...
+        seen.append(sorted(str(t["id"]) for t in tasks))
+        return next(scores)
+    monkeypatch.setattr(sft, "validate", fake_validate)
+    out, kw = tmp_path / "sft", {**TINY, "eval_every": 2, "save_every": 100, "eval_frac": 0.1}
+    run_main(sft, **sft_args(data_folder / "sft.jsonl", out, steps=12, patience=2, **kw))
+    rows = read_jsonl(out / "metrics.jsonl")
+    # validations at steps 2, 4, 6, 8: best 0.3 at step 4, then 0.2 and 0.3 (not higher): two without gain, stop
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["val_success"] for r in rows if "val_success" in r] == [0.1, 0.3, 0.2, 0.3]
+    assert rows[-1]["val_best_step"] == 4
+    assert (out / "latest").read_text().strip() == "best/step_000004"
+    assert (out / "step_000008").is_dir()  # where it stopped, with the optimizer, beside the best
+    best, last = load_file(out / "best" / "step_000004" / "model.safetensors"), load_file(
+        out / "step_000008" / "model.safetensors")
+    loaded, _ = rollout.load_model(str(out))  # what grpo.py --model and evaluate.py load from the run folder
+    assert all(torch.equal(v, best[k]) for k, v in loaded.state_dict().items() if k in best)
+    assert any(not torch.equal(best[k], last[k]) for k in best)
+    # the validation tasks are the held-out conversations' tasks, and no training conversation is of one of them
+    convs = sft.load_conversations(data_folder / "sft.jsonl")
+    random.Random(0).shuffle(convs)
+    held, train, ids = sft.split_heldout(convs, 6)
+    assert seen[0] == sorted(ids) and len(ids) == 6 and not {c["task_id"] for c in train} & ids
+    # resuming a run that stopped keeps its model and trains no further
+    run_main(sft, **sft_args(data_folder / "sft.jsonl", out, steps=12, patience=2, resume=True, **kw))
+    assert len(read_jsonl(out / "metrics.jsonl")) == 8 and (out / "latest").read_text().strip() == "best/step_000004"
+    # control: without patience every step runs, nothing is validated, latest is the last step
+    seen.clear()
+    run_main(sft, **sft_args(data_folder / "sft.jsonl", tmp_path / "all", steps=12, patience=0, **kw))
+    assert len(read_jsonl(tmp_path / "all" / "metrics.jsonl")) == 12 and not seen
+    assert (tmp_path / "all" / "latest").read_text().strip() == "step_000012"
+
+
+def test_validate_is_evaluates_greedy_pass1(db, train_tasks):
+    world, tasks = env.Shop(db, max_turns=16), train_tasks[:16]
+    model, tok = rollout.load_model(str(REPO / "tests" / "tiny_sft"))
+    got = sft.validate(model, tok, world, tasks)
+    agent = rollout.TokenAgent(rollout.HFGenerator(model, tok), tok, max_new_tokens=64, temperature=0.0, max_len=1024)
+    eps = evaluate.evaluate(agent, world, tasks, k=1, seed=0, basis="task", batch=64)  # evaluate.py's defaults
+    assert got == evaluate.summarize(eps, [1], world)["all"]["pass^1"] > 0
+    base, btok = rollout.load_model(str(REPO / "tests" / "tiny_base"))
+    assert sft.validate(base, btok, world, tasks) == 0.0  # the base never completes a task (negative control)
 
 
 def test_micro_loss_is_the_masked_nll(conversations):
