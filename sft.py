@@ -10,6 +10,11 @@ The loss is on the agent's tokens only, with the same rendering and masking code
 (rollout.encode_conversation). Checkpoints are save_pretrained folders (plus optimizer and step state),
 written atomically; --resume continues a killed run from the last one.
 
+The cold start is trained to convergence, as the paper's is a finished model: every --eval-every steps the model
+plays the tasks of the held-out conversations (--eval-frac of the training side, never the test split) greedily
+with the scripted user, and after --patience validations without a higher success rate training stops; the run
+folder's `latest` then names the best validated checkpoint, which is what grpo.py and evaluate.py load.
+
 What is simplified, and why:
 1. One loop for every model: AdamW, linear warm-up then cosine, gradient accumulation, DDP under torchrun.
    The loss is a token-level mean over the agent tokens of the whole global batch, whatever the micro-batches.
