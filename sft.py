@@ -114,7 +114,8 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     """The SFT loop. `model` is a path or hub id, or ignored when `tiny` (a TinyConfig) builds one from scratch.
     `redraw` is "on", "off" or "auto" (on for the tiny family); `copy_mix` copy sequences join every step of a
     tiny-family model. With `patience`, training stops once that many validations in a row found no higher success
-    on the held-out tasks, and the run's `latest` names its best checkpoint (best/). The last five arguments are
+    on the held-out tasks; a validated run's `latest` then names its best checkpoint (best/), and the run is
+    finished (--resume continues only a killed run). The last five arguments are
     rollout.add_scale_args' flags. -> (model, tokenizer)."""
     rank, n_ranks, device = setup_distributed()
     setup = ModelSetup.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
@@ -138,8 +139,9 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         net, tok = load_model(model if lora_rank else out, **setup.load_kw)
         state = load_train_state(out)  # memory-mapped: AdamW's state is read shard by shard
         start = state["step"]
-        if state.get("stopped"):  # `latest` names the best checkpoint of a run that stopped early
-            print(f"sft.py: {out} stopped early; its model is step {start}'s (the best validated)", flush=True)
+        if state.get("finished"):  # `latest` names the best checkpoint of a validated run that ended
+            print(f"sft.py: {out} has finished; its model is step {start}'s, the best validated (nothing to resume)",
+                  flush=True)
             return net, tok
     elif tiny:
         tok, net, warm = tiny_model(convs, tiny, lr=lr, seed=seed, device=device,
@@ -224,7 +226,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
             log.flush()
         stop = val is not None and best["since"] >= patience
         if validated:  # the best validated weights so far, kept apart from the rolling checkpoints
-            save_checkpoint(os.path.join(out, "best"), step + 1, net, tok, extra={"stopped": True})
+            save_checkpoint(os.path.join(out, "best"), step + 1, net, tok, extra={"finished": True})
         if (step + 1) % save_every == 0 or step + 1 == steps or stop:  # every rank: FSDP gathers the weights
             save_checkpoint(out, step + 1, net, tok, opt, extra={"best": best})
         if stop:

@@ -441,7 +441,7 @@ def test_patience_stops_at_the_best_validation_and_latest_names_it(data_folder, 
     random.Random(0).shuffle(convs)
     held, train, ids = sft.split_heldout(convs, 6)
     assert seen[0] == sorted(ids) and len(ids) == 6 and not {c["task_id"] for c in train} & ids
-    # resuming a run that stopped keeps its model and trains no further
+    # resuming a validated run that ended keeps its model and trains no further
     run_main(sft, **sft_args(data_folder / "sft.jsonl", out, steps=12, patience=2, resume=True, **kw))
     assert len(read_jsonl(out / "metrics.jsonl")) == 8 and (out / "latest").read_text().strip() == "best/step_000004"
     # control: without patience every step runs, nothing is validated, latest is the last step
@@ -570,7 +570,7 @@ def test_lora_sft_merged_checkpoint_and_exact_resume(world, tmp_path):
     """--lora-rank on a checkpoint: only the adapters train; the checkpoint is the merged plain model; a resumed
     run (base --model + the adapter and AdamW state from train_state.pt) continues as the uninterrupted one."""
     kw = dict(model=str(world.sft), lora_rank=4, max_len=512, batch_size=2, warmup=3, lr=1e-2, eval_every=100,
-              save_every=1)
+              save_every=1, patience=0)  # no validation: a validated run that reached --steps is finished
     data = world.data / "sft.jsonl"
     net, _ = run_main(sft, **sft_args(data, tmp_path / "full", steps=3, **kw))
     run_main(sft, **sft_args(data, tmp_path / "cut", steps=2, **kw))
