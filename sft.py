@@ -133,6 +133,9 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     random.Random(seed).shuffle(convs)
     held_convs, train_convs, held_ids = split_heldout(convs, n_eval)
     val = validation(data, held_ids) if patience else None  # (world, its validation tasks) or None
+    if val and setup.fsdp and n_ranks > 1:  # a sharded forward is a collective: ranks' episodes would have to agree
+        print("sft.py: no validation with FSDP over several ranks: all --steps run", flush=True)
+        val = None
     os.makedirs(out, exist_ok=True)
     start, warm, state = 0, {}, {}
     if resume and os.path.isfile(os.path.join(out, "latest")):  # with LoRA: the base model and the saved adapter
@@ -208,9 +211,11 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
             rec.update(eval_heldout(unwrap(net), tok, held, batch_size, device))
             if copy_mix:
                 rec["copy_acc"] = copy_accuracy(unwrap(net), tok, device)
-            if val:  # greedy, one episode per held-out task; every rank plays the same episodes
+            if val:  # greedy, one episode per held-out task
                 t1 = time.time()
-                rec["val_success"] = validate(unwrap(net), tok, *val)
+                # each rank plays them on its own full replica; the mean keeps every rank's decision the same
+                mine = torch.tensor(validate(unwrap(net), tok, *val), dtype=torch.float64)
+                rec["val_success"] = float(all_reduce_sum(mine)) / n_ranks
                 rec["val_s"] = round(time.time() - t1, 1)
                 validated = rec["val_success"] > best["success"]
                 best = ({"success": rec["val_success"], "step": step + 1, "since": 0} if validated
