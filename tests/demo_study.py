@@ -2,20 +2,20 @@
 The CPU demo, measured: the README's pipeline on seeds 0-2 from a fresh data folder each, timed stage by stage, and
 RL's effect against the same compute spent on more SFT.
 
-    python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 20 min a seed, alone)
+    python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 25 min a seed, alone)
     python tests/demo_study.py --seeds 0 --out runs/s0 # one seed
     python tests/demo_study.py --report runs/study     # only the table and the plot, from finished runs
 
 Per seed S, each a command line of the README's pipeline with `--seed S` (the defaults otherwise):
-    synth.py; sft.py (from the committed base); grpo.py (M minutes); grpo.py from the base (RL only);
-    evaluate.py (base, SFT, MUA-RL, RL-only)   <- these five are "the pipeline": their wall time and peak RSS
+    synth.py; sft.py (from the committed base, until its validation stops improving); grpo.py (M minutes);
+    grpo.py from the base (RL only); evaluate.py (base, SFT, MUA-RL, RL-only)   <- these five are "the pipeline":
+    their wall time and peak RSS
     sft.py continued from the SFT model for as many steps as M minutes buy at its measured speed ("SFT more"),
-    at the learning rate its schedule ended on; grpo.py --task-sampling spread (a second RL recipe); evaluate.py
-    on both.
-GRPO's effect is MUA-RL minus SFT-more on the held-out tasks (greedy pass^1 and pass^4 over 4 trials): the mean
-over seeds, with a 95% interval from a paired bootstrap that resamples each seed's tasks (the same tasks for both
-models) and averages over seeds. Writes <out>/study.json, <out>/study.md and <out>/reward.png (GRPO's training
-reward, every seed).
+    at the learning rate of the step its validation chose; evaluate.py on it.
+GRPO's effect is MUA-RL minus SFT (the paper's claim) and minus SFT-more (the same compute) on the held-out tasks
+(greedy pass^1 and pass^4 over 4 trials): the mean over seeds, with a 95% interval from a paired bootstrap that
+resamples each seed's tasks (the same tasks for both models) and averages over seeds, and pass^1 per task kind.
+Writes <out>/study.json, <out>/study.md and <out>/reward.png (GRPO's training reward, every seed).
 """
 import argparse
 import json
@@ -26,10 +26,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = ["base", "sft", "mua-rl", "rl-only", "sft-more", "mua-rl-spread"]
-# a second GRPO recipe measured beside the default, outside the timed pipeline: tasks drawn by their kind's reward
-# variance (grpo.py --task-sampling spread) instead of uniformly
-SPREAD = ["--task-sampling", "spread"]
+ROWS = ["base", "sft", "mua-rl", "rl-only", "sft-more"]
 
 
 def run(cmd, log):
@@ -73,11 +70,7 @@ def one_seed(seed, root):
     more = ["sft.py", "--model", d("sft"), "--data", d("data", "sft.jsonl"), "--out", d("sft_more"), "--overwrite",
             "--steps", str(n), "--lr", str(end_lr), "--warmup", "0", "--eval-every", str(n), "--save-every", str(n), *s]
     rec["sec"]["sft-more"], rec["rss_gb"]["sft-more"] = run(more, d("sft-more.log"))
-    spread = ["grpo.py", "--model", d("sft"), "--data-dir", d("data"), "--out", d("grpo_spread"), "--overwrite",
-              *SPREAD, *s]
-    rec["sec"]["grpo-spread"], rec["rss_gb"]["grpo-spread"] = run(spread, d("grpo-spread.log"))
-    ev = ["evaluate.py", "--data-dir", d("data"), "--out", d("eval_more"), "--models", f"sft-more={d('sft_more')}",
-          f"mua-rl-spread={d('grpo_spread')}"]
+    ev = ["evaluate.py", "--data-dir", d("data"), "--out", d("eval_more"), "--models", f"sft-more={d('sft_more')}"]
     rec["sec"]["evaluate-more"], _ = run(ev, d("evaluate-more.log"))
     rec["pipeline_sec"] = sum(rec["sec"][k] for k in stages)
     rec["pipeline_rss_gb"] = max(rec["rss_gb"][k] for k in stages)
@@ -121,7 +114,6 @@ def report(out, seeds):
         ev = lambda name, folder="eval": scores(per_task(os.path.join(out, f"seed{s}", folder, f"{name}_shop.jsonl")))
         table[s] = {r: ev(r) for r in ROWS[:4]}
         table[s]["sft-more"] = ev("sft-more", "eval_more")
-        table[s]["mua-rl-spread"] = ev("mua-rl-spread", "eval_more")
     lines = ["| model | " + " | ".join(f"seed {s} pass^1 / pass^4" for s in seeds) + " | mean pass^1 | mean pass^4 |",
              "|---|" + "---|" * (len(seeds) + 2)]
     summary = {}
@@ -136,7 +128,7 @@ def report(out, seeds):
         summary[r] = {"pass^1": p1s, "pass^4": p4s}
         lines.append(f"| {r} | " + " | ".join(cells) + f" | {sum(p1s) / len(p1s):.1f} | {sum(p4s) / len(p4s):.1f} |")
     effects = {}
-    for a, b in [("mua-rl", "sft-more"), ("mua-rl-spread", "sft-more"), ("mua-rl", "sft"), ("sft-more", "sft")]:
+    for a, b in [("mua-rl", "sft"), ("mua-rl", "sft-more"), ("sft-more", "sft")]:
         for k, name in ((0, "pass^1"), (1, "pass^4")):
             diffs = [[100 * (table[s][a][t][k] - table[s][b][t][k]) for t in sorted(table[s][b])] for s in seeds]
             m, lo, hi = bootstrap(diffs)
@@ -174,10 +166,8 @@ def plot_rewards(out, seeds):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.2))
     for s in seeds:
-        for folder, style, name in (("grpo", "-", "uniform"), ("grpo_spread", ":", "spread")):
-            rows = [json.loads(x) for x in open(os.path.join(out, f"seed{s}", folder, "metrics.jsonl"))]
-            ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], style, color=f"C{s}",
-                    label=f"seed {s}, {name}")
+        rows = [json.loads(x) for x in open(os.path.join(out, f"seed{s}", "grpo", "metrics.jsonl"))]
+        ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], color=f"C{s}", label=f"seed {s}")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("mean training reward")
     ax.set_ylim(-0.02, 1.02)
