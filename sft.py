@@ -10,10 +10,11 @@ The loss is on the agent's tokens only, with the same rendering and masking code
 (rollout.encode_conversation). Checkpoints are save_pretrained folders (plus optimizer and step state),
 written atomically; --resume continues a killed run from the last one.
 
-The cold start is trained to convergence, as the paper's is a finished model: every --eval-every steps the model
-plays the tasks of the held-out conversations (--eval-frac of the training side, never the test split) greedily
-with the scripted user, and after --patience validations without a higher success rate training stops; the run
-folder's `latest` then names the best validated checkpoint, which is what grpo.py and evaluate.py load.
+With --patience N, every --eval-every steps the model plays the tasks of the held-out conversations (--eval-frac of
+the training side, never the test split) greedily with the scripted user, and after N validations without a higher
+success rate training stops; the run folder's `latest` then names the best validated checkpoint, which is what
+grpo.py and evaluate.py load. Off by default: on the demo, 40 tasks judge too noisily to stop a run whose learning
+rate has not yet decayed (the README's results).
 
 What is simplified, and why:
 1. One loop for every model: AdamW, linear warm-up then cosine, gradient accumulation, DDP under torchrun.
@@ -54,7 +55,7 @@ def main(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--data", default="data/sft.jsonl", help="synth.py's conversations, one JSON object a line")
     g.add_argument("--max-len", type=int, default=2048, help="conversations are truncated to this many tokens")
-    g.add_argument("--eval-frac", type=float, default=0.1, help="share of conversations held out, with their tasks: "
+    g.add_argument("--eval-frac", type=float, default=0.05, help="share of conversations held out, with their tasks: "
                    "their loss is measured, and their tasks are the validation tasks (--patience)")
     g.add_argument("--redraw", default="auto", choices=["auto", "on", "off"],
                    help="re-draw ids and names in every step's conversations (auto: on for the tiny family)")
@@ -70,8 +71,8 @@ def main(argv=None):
     g.add_argument("--copy-warmup", type=int, default=900, help="tiny: at most this many short copy steps, + 1/3 long")
     g.add_argument("--copy-mix", type=int, default=4, help="tiny family: copy sequences mixed into every SFT step")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=1500, help="optimizer steps at most (the schedule's length); "
-                   "--patience may stop earlier")
+    g.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule's length; --patience may "
+                   "stop earlier)")
     g.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch (per rank)")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (tiny from scratch; ~1e-5 for an 8B)")
@@ -82,9 +83,9 @@ def main(argv=None):
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument("--out", default="out/sft", help="run folder: metrics.jsonl, step_N/ checkpoints, latest")
     g.add_argument("--eval-every", type=int, default=50, help="held-out evaluation and validation every n steps")
-    g.add_argument("--patience", type=int, default=4, help="stop after this many validations without a higher "
-                   "success rate on the held-out tasks; the run's model is then its best (0: run every --steps; "
-                   "validation needs train_tasks.jsonl and shop.json beside --data)")
+    g.add_argument("--patience", type=int, default=0, help="validate (greedy success on the held-out tasks; needs "
+                   "train_tasks.jsonl and shop.json beside --data) and stop after this many validations without a "
+                   "higher one; the run's model is then its best (0: no validation, every step runs; see the README)")
     g.add_argument("--save-every", type=int, default=100, help="checkpoint every n steps (and at the end)")
     g.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     g.add_argument("--overwrite", action="store_true", help="delete an earlier run in --out first (else refused)")

@@ -2,16 +2,17 @@
 The CPU demo, measured: the README's pipeline on seeds 0-2 from a fresh data folder each, timed stage by stage, and
 RL's effect against the same compute spent on more SFT.
 
-    python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 25 min a seed, alone)
+    python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 15 min a seed, alone)
     python tests/demo_study.py --seeds 0 --out runs/s0 # one seed
     python tests/demo_study.py --report runs/study     # only the table and the plot, from finished runs
+    python tests/demo_study.py --sft-args "--patience 4 --steps 1500 --eval-frac 0.1" --grpo-args "--steps 60"
 
 Per seed S, each a command line of the README's pipeline with `--seed S` (the defaults otherwise):
-    synth.py; sft.py (from the committed base, until its validation stops improving); grpo.py (M minutes);
+    synth.py; sft.py (from the committed base); grpo.py (M minutes);
     grpo.py from the base (RL only); evaluate.py (base, SFT, MUA-RL, RL-only)   <- these five are "the pipeline":
     their wall time and peak RSS
     sft.py continued from the SFT model for as many steps as M minutes buy at its measured speed ("SFT more"),
-    at the learning rate of the step its validation chose; evaluate.py on it.
+    at the learning rate of its last step (with --patience: of the step its validation chose); evaluate.py on it.
 GRPO's effect is MUA-RL minus SFT (the paper's claim) and minus SFT-more (the same compute) on the held-out tasks
 (greedy pass^1 and pass^4 over 4 trials): the mean over seeds, with a 95% interval from a paired bootstrap that
 resamples each seed's tasks (the same tasks for both models) and averages over seeds, and pass^1 per task kind.
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -41,17 +43,19 @@ def run(cmd, log):
     return round(time.time() - t0, 1), round(usage.ru_maxrss / 2**20, 2)
 
 
-def one_seed(seed, root):
-    """The pipeline and the compute-matched SFT arm for one seed. -> its record (times, RSS, steps)."""
+def one_seed(seed, root, sft_args=(), grpo_args=()):
+    """The pipeline and the compute-matched SFT arm for one seed, the stages' defaults changed by `sft_args` and
+    `grpo_args` (flag lists). -> its record (times, RSS, steps)."""
     d = lambda *p: os.path.join(root, *p)
     os.makedirs(root, exist_ok=True)
     s = ["--seed", str(seed)]
     stages = {
         "synth": ["synth.py", "--data-dir", d("data"), *s],
-        "sft": ["sft.py", "--data", d("data", "sft.jsonl"), "--out", d("sft"), "--overwrite", *s],
-        "grpo": ["grpo.py", "--model", d("sft"), "--data-dir", d("data"), "--out", d("grpo"), "--overwrite", *s],
-        "rl-only": ["grpo.py", "--model", "tests/tiny_base", "--data-dir", d("data"), "--out", d("grpo_rl_only"),
-                    "--overwrite", *s],
+        "sft": ["sft.py", *sft_args, "--data", d("data", "sft.jsonl"), "--out", d("sft"), "--overwrite", *s],
+        "grpo": ["grpo.py", *grpo_args, "--model", d("sft"), "--data-dir", d("data"), "--out", d("grpo"),
+                 "--overwrite", *s],
+        "rl-only": ["grpo.py", *grpo_args, "--model", "tests/tiny_base", "--data-dir", d("data"), "--out",
+                    d("grpo_rl_only"), "--overwrite", *s],
         "evaluate": ["evaluate.py", "--data-dir", d("data"), "--out", d("eval"), "--models",
                      "base=tests/tiny_base", f"sft={d('sft')}", f"mua-rl={d('grpo')}", f"rl-only={d('grpo_rl_only')}"],
     }
@@ -63,12 +67,13 @@ def one_seed(seed, root):
     sft_rows = [json.loads(x) for x in open(d("sft", "metrics.jsonl"))]
     sec_per_step = sum(r["sec"] for r in sft_rows) / len(sft_rows)  # training steps alone, not validations
     n = max(1, round(rec["sec"]["grpo"] / sec_per_step))
-    chosen = int(open(d("sft", "latest")).read().strip().rsplit("_", 1)[1])  # the step SFT's validation chose
+    chosen = int(open(d("sft", "latest")).read().strip().rsplit("_", 1)[1])  # the last, or the one validation chose
     end_lr = next(r["lr"] for r in sft_rows if r["step"] == chosen)
     rec["sft_steps"], rec["sft_chosen_step"] = len(sft_rows), chosen
     rec.update(sft_sec_per_step=round(sec_per_step, 3), sft_more_steps=n, sft_more_lr=end_lr)
-    more = ["sft.py", "--model", d("sft"), "--data", d("data", "sft.jsonl"), "--out", d("sft_more"), "--overwrite",
-            "--steps", str(n), "--lr", str(end_lr), "--warmup", "0", "--eval-every", str(n), "--save-every", str(n), *s]
+    more = ["sft.py", *sft_args, "--model", d("sft"), "--data", d("data", "sft.jsonl"), "--out", d("sft_more"),
+            "--overwrite", "--steps", str(n), "--lr", str(end_lr), "--warmup", "0", "--eval-every", str(n),
+            "--save-every", str(n), *s]
     rec["sec"]["sft-more"], rec["rss_gb"]["sft-more"] = run(more, d("sft-more.log"))
     ev = ["evaluate.py", "--data-dir", d("data"), "--out", d("eval_more"), "--models", f"sft-more={d('sft_more')}"]
     rec["sec"]["evaluate-more"], _ = run(ev, d("evaluate-more.log"))
@@ -181,10 +186,13 @@ def main():
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one full pipeline per seed")
     p.add_argument("--out", default="runs/study", help="a folder per seed, then study.md/.json and reward.png")
     p.add_argument("--report", default=None, help="only report on the finished seeds in this folder")
+    p.add_argument("--sft-args", default="", help="flags for every sft.py run, before the study's own (which win), "
+                   "e.g. \"--patience 4 --steps 1500 --eval-frac 0.1\"")
+    p.add_argument("--grpo-args", default="", help="flags for both grpo.py runs, e.g. \"--steps 60\"")
     a = p.parse_args()
     if not a.report:
         for s in a.seeds:
-            one_seed(s, os.path.join(a.out, f"seed{s}"))
+            one_seed(s, os.path.join(a.out, f"seed{s}"), shlex.split(a.sft_args), shlex.split(a.grpo_args))
     report(a.report or a.out, a.seeds)
 
 

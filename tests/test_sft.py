@@ -81,7 +81,7 @@ def test_sft_lowers_heldout_loss(sft_data, tmp_path):
     random.Random(0).shuffle(convs)  # the default --seed
     m0, tok0 = rollout.load_model(str(out / "init"))
     held = [rollout.encode_conversation(tok0, c["messages"], c["tools"])
-            for c in sft.split_heldout(convs, max(1, int(len(convs) * 0.1)))[0]]  # the default --eval-frac
+            for c in sft.split_heldout(convs, max(1, int(len(convs) * 0.05)))[0]]  # the default --eval-frac
     held = [(i[:args["max_len"]], m[:args["max_len"]]) for i, m in held]
     base = sft.eval_heldout(m0, tok0, held, 4, "cpu")["eval_loss"]
     assert evals[-1] < 0.6 * base, (evals[-1], base)
