@@ -15,6 +15,8 @@ Sections: chat rendering -> episodes -> agents -> log-probs; after the fence, th
 """
 import asyncio
 import collections
+import contextlib
+import hashlib
 import importlib.util
 import inspect
 import json
@@ -133,8 +135,9 @@ class Episode:
 
 def run_episodes(agent, world, tasks, *, seed=0):
     """Play one episode per task (repeat a task for a GRPO group) until the world or the user ends each. Each step,
-    every live episode gets one agent turn; its tool calls run on the episode's own state and its text goes to the
-    episode's user, whose reply comes back. Episodes come back unscored (world.score)."""
+    every live episode's agent turn goes on; the turns that ended run their tool calls on the episode's own state or
+    go to the episode's user, whose reply comes back, and their next turns start at the next step beside the turns
+    still being sampled. Episodes come back unscored (world.score)."""
     eps = [Episode(task_id=str(t["id"]), kind=t.get("kind", ""), state=world.reset(t)) for t in tasks]
     users = [world.user(t, ep.state, seed * 100003 + i) for i, (t, ep) in enumerate(zip(tasks, eps))]
     for ep, t in zip(eps, tasks):
@@ -145,14 +148,14 @@ def run_episodes(agent, world, tasks, *, seed=0):
         eps[i].messages.append({"role": "user", "content": first})
     check_users(eps, users, talk)  # a user that failed at its first message errored its episode
     agent.begin(eps, tasks, [world.schemas(ep.state) for ep in eps], seed)  # its prompts
-    for turn in range(10**9):
-        live = [i for i, ep in enumerate(eps) if not ep.end_reason]
-        if not live:
-            break
-        outs = agent.act([eps[i] for i in live], [world.schemas(eps[i].state) for i in live], seed * 7919 + turn)
+    while live := [i for i, ep in enumerate(eps) if not ep.end_reason]:
+        outs = agent.act([eps[i] for i in live], [world.schemas(eps[i].state) for i in live])
         to_tools, to_user = [], []
-        for i, (text, complete) in zip(live, outs):
+        for i, out in zip(live, outs):
             ep = eps[i]
+            if out is None:  # its turn goes on in the agent's next call (continuous batching)
+                continue
+            text, complete = out
             if text is None:  # the agent's endpoint failed (agent.act ended the episode): not the policy's doing
                 continue
             ep.turns += 1
@@ -234,12 +237,15 @@ def check_users(eps, users, idx):
 
 
 # ----------------------------------------------------------------------------------------------------
-# agents: begin(eps, tasks, tools, seed) once, act(eps, tools, seed) -> [(text, complete)] for the live episodes
-# (text None: its endpoint failed), extend(ep, messages, tools) after tool results or a user turn join them.
+# agents: begin(eps, tasks, tools, seed) once; act(eps, tools) -> per live episode (text, complete) when its turn
+# ended (text None: its endpoint failed), None while it goes on; extend(ep, messages, tools) after tool results or a
+# user turn join them.
 
 class TokenAgent:
     """The policy, token-in, token-out: a sampler (HFGenerator, VLLMGenerator), its tokenizer and sampling settings.
-    Episodes get their ids, loss mask and log-probs here; passing max_len tokens ends one as "max_tokens"."""
+    Episodes get their ids, loss mask and log-probs here; passing max_len tokens ends one as "max_tokens". Each turn
+    samples from its own random stream, keyed by (seed, episode, turn): a group's rollouts replay exactly, whatever
+    else shares the batch."""
 
     def __init__(self, gen, tok, *, max_new_tokens=256, temperature=1.0, top_p=1.0, max_len=4096):
         self.gen, self.tok, self.eot = gen, tok, end_of_turn(tok)
@@ -248,18 +254,30 @@ class TokenAgent:
     def begin(self, eps, tasks, tools, seed):
         if hasattr(self.gen, "kv"):
             self.gen.kv = {}  # caches from an earlier call may come from older weights
+        self.seed, self.index = seed, {id(ep): i for i, ep in enumerate(eps)}
+        self.partial = {}  # id(ep) -> (ids, log-probs) of a turn the sampler returned unfinished
         for ep, ts in zip(eps, tools):
             _append(ep, encode(self.tok, render(self.tok, agent_view(ep.messages), ts, add_generation_prompt=True)), 0)
             if not ep.end_reason and len(ep.ids) >= self.max_len:  # the prompt alone fills it (a long policy)
                 ep.end_reason = "max_tokens"
 
-    def act(self, eps, tools, seed):
-        outs = self.gen.generate([ep.ids for ep in eps], self.max_new_tokens, self.temperature, self.top_p,
-                                 seed=seed, cache_keys=[id(ep) for ep in eps])
-        texts = []
-        for ep, (new_ids, lps) in zip(eps, outs):
-            _append(ep, new_ids, 1, lps)  # the sampled tokens, end-of-turn included: the only mask-1 positions
-            text = self.tok.decode(new_ids, skip_special_tokens=False)
+    def act(self, eps, tools):
+        """Every live episode's turn goes on in one sampler call: new turns and those it returned unfinished (the
+        transformers sampler returns once half its rows are done, so ended turns need not wait for the longest)."""
+        parts = [self.partial.pop(id(ep), ([], [])) for ep in eps]
+        outs = self.gen.generate([ep.ids + ids for ep, (ids, _) in zip(eps, parts)],
+                                 [self.max_new_tokens - len(ids) for ids, _ in parts], self.temperature, self.top_p,
+                                 seed=self.seed, cache_keys=[id(ep) for ep in eps],
+                                 streams=[(self.index[id(ep)], ep.turns, len(ids)) for ep, (ids, _) in zip(eps, parts)])
+        texts, unfinished = [], getattr(self.gen, "unfinished", ())  # rows it returned before their turn ended
+        for b, (ep, (ids, lps), (new_ids, new_lps)) in enumerate(zip(eps, parts, outs)):
+            ids, lps = ids + new_ids, lps + new_lps
+            if b in unfinished:  # resumes in the next call, its cache kept
+                self.partial[id(ep)] = (ids, lps)
+                texts.append(None)
+                continue
+            _append(ep, ids, 1, lps)  # the sampled tokens, end-of-turn included: the only mask-1 positions
+            text = self.tok.decode(ids, skip_special_tokens=False)
             complete = text.endswith(self.eot)
             texts.append((text[:len(text) - len(self.eot)] if complete else text, complete))
         return texts
@@ -287,7 +305,7 @@ class TextAgents:
     def begin(self, eps, tasks, tools, seed):
         self.agents = {id(ep): self.make_agent(t, seed * 100003 + i) for i, (ep, t) in enumerate(zip(eps, tasks))}
 
-    def act(self, eps, tools, seed):
+    def act(self, eps, tools):
         agents = [self.agents[id(ep)] for ep in eps]
         texts = act_all(agents, [ep.messages for ep in eps], tools)
         for ep, a in zip(eps, agents):
@@ -614,17 +632,36 @@ def chatml_template(signatures=False):
 def _cache_kw(model):  # transformers is renaming the forward's `past_key_values` to `cache`
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
+@contextlib.contextmanager
+def attention(model, impl):
+    """Run the model with another attention implementation inside the block (None: leave it). Decoding on a CPU
+    reads every cache slot for one query per row: eager's two matmuls do that about twice as fast as SDPA's
+    flash kernel here (13 vs 30 ms a step at 32 rows x 864 slots, tiny model, one thread)."""
+    before = model.config._attn_implementation
+    if impl and impl != before:
+        model.set_attn_implementation(impl)
+    try:
+        yield
+    finally:
+        if model.config._attn_implementation != before:
+            model.set_attn_implementation(before)
+
 def _last_logits_kw(model):  # only the last position's logits are sampled from: no (B, N, vocab) head output
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 class HFGenerator:
     """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU. Each episode's cache is kept
     across turns (keyed by `cache_keys`), so a turn prefills only the tokens added since the last. Rows are laid out
-    [pad | cached prefix | pad | new tokens]; the attention mask and position ids make the holes invisible."""
+    [pad | cached prefix | pad | new tokens]; the attention mask and position ids make the holes invisible.
+    Continuous batching, turn-wise: a call returns once `return_at` of its rows are done (None: when all are), so
+    the episodes whose turns ended act on the world while the unfinished turns wait in their caches, and the next
+    call samples both together: no ended turn waits for the longest one."""
 
-    def __init__(self, model, tok, device=None):
-        self.model, self.tok = model, tok
+    def __init__(self, model, tok, device=None, return_at=0.5):
+        self.model, self.tok, self.return_at = model, tok, return_at
         self.device = device or next(model.parameters()).device
+        self.decode_attention = "eager" if self.device.type == "cpu" else None
+        self.unfinished = set()  # the rows the last call returned before their turn ended
         self.eos_id = tok.convert_tokens_to_ids(end_of_turn(tok))
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
         self.kv = {}  # cache key -> (token ids the cache covers, [(k, v) per layer], each (heads, T, head_dim))
@@ -635,89 +672,130 @@ class HFGenerator:
     def load_weights(self, model):
         """Nothing to push: generate() reads the live weights of the model it was built on."""
 
-    def _layout(self, prompts, cache_keys, max_new_tokens):
-        """-> cache (slots [0, P) from the kept caches), new-token ids, attention mask over all P + N +
-        max_new_tokens slots, position ids, prefix lengths, new tokens."""
+    def _prefill(self, prompts, cache_keys, max_new_tokens):
+        """Lay the rows out and feed their new tokens. -> cache (P + R + N + max_new_tokens slots), logits (B, V),
+        attention mask, next position ids (B, 1), rows (the prompt of each batch row), cached prefix lengths, new
+        tokens. Rows that resume a turn (one new token: the last they sampled; R = 1 slot for them) and rows that
+        start one (tool results or a user turn, up to N tokens, longest first) are fed in separate forwards, the
+        starting ones in buckets of similar lengths, so that no row is padded to more than twice its length.
+        Each forward's rows are one slice of the cache's batch, a view its update writes through, and every
+        bucket writes the slots that end at P + R + N."""
         from transformers import StaticCache
-        B = len(prompts)
         past = []
-        for p, key in zip(prompts, cache_keys or [None] * B):
+        for p, key in zip(prompts, cache_keys or [None] * len(prompts)):
             ent = self.kv.get(key)
             ok = ent is not None and len(ent[0]) < len(p) and p[:len(ent[0])] == ent[0]
             past.append(ent if ok else None)
-        P = max([len(e[0]) for e in past if e] + [0])
-        new = [p[len(e[0]):] if e else p for p, e in zip(prompts, past)]
-        N = max(len(n) for n in new)
-        ids = torch.full((B, N), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, P + N + max_new_tokens), dtype=torch.long)  # over every cache slot of the call
-        pos = torch.zeros((B, N), dtype=torch.long)
         plen = [len(e[0]) if e else 0 for e in past]
-        for b, n in enumerate(new):
-            ids[b, N - len(n):] = torch.tensor(n)
-            attn[b, P - plen[b]:P] = 1
-            attn[b, P + N - len(n):P + N] = 1
-            pos[b, N - len(n):] = torch.arange(plen[b], plen[b] + len(n))
+        new = [p[n:] for p, n in zip(prompts, plen)]
+        start = sorted((b for b, n in enumerate(new) if len(n) > 1), key=lambda b: -len(new[b]))
+        resume = [b for b, n in enumerate(new) if len(n) == 1]
+        rows = start + resume
+        B, k, P = len(rows), len(start), max(plen + [0])
+        R, N = (1 if resume else 0), (len(new[start[0]]) if start else 0)
+        W = P + R + N + max_new_tokens
+        attn = torch.zeros((B, W), dtype=torch.long)  # over every cache slot of the call
+        for r, b in enumerate(rows):
+            attn[r, P - plen[b]:P] = 1
+            if r < k:
+                attn[r, P + R + N - len(new[b]):P + R + N] = 1
+            else:
+                attn[r, P] = 1
+        attn = attn.to(self.device)
         # preallocated for the whole call: a DynamicCache re-allocates every layer's keys and values at each token
-        cache = StaticCache(config=self.model.config, max_cache_len=P + N + max_new_tokens)
+        cache = StaticCache(config=self.model.config, max_cache_len=W)
+        groups = [(k, B, 1, P)] if resume else []  # (first row, end row, tokens fed, first slot written)
         if P:
             k0 = next(e for e in past if e)[1][0][0]  # (heads, T, head_dim): dtype, device and sizes
             for layer_idx, layer in enumerate(cache.layers):
                 K = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]))
                 V = torch.zeros_like(K)
-                for b, e in enumerate(past):
-                    if e:
-                        K[b, :, P - plen[b]:] = e[1][layer_idx][0]
-                        V[b, :, P - plen[b]:] = e[1][layer_idx][1]
+                for r, b in enumerate(rows):
+                    if past[b]:
+                        K[r, :, P - plen[b]:] = past[b][1][layer_idx][0]
+                        V[r, :, P - plen[b]:] = past[b][1][layer_idx][1]
                 layer.update(K.to(self.device), V.to(self.device))  # fills slots [0, P)
-        return cache, ids.to(self.device), attn.to(self.device), pos.to(self.device), plen, new
+        bucketed = P and all(hasattr(la, "cumulative_length") for la in cache.layers)  # else one bucket
+        lo = 0
+        while lo < k:
+            n = len(new[start[lo]])
+            hi = next((r for r in range(lo + 1, k) if bucketed and 2 * len(new[start[r]]) < n), k)
+            groups.append((lo, hi, n, P + R + N - n))
+            lo = hi
+        logits = [None] * B
+        for lo, hi, n, at in groups:
+            ids = torch.full((hi - lo, n), self.pad_id, dtype=torch.long)
+            pos = torch.zeros((hi - lo, n), dtype=torch.long)
+            for r, b in enumerate(rows[lo:hi]):
+                ids[r, n - len(new[b]):] = torch.tensor(new[b])
+                pos[r, n - len(new[b]):] = torch.arange(plen[b], plen[b] + len(new[b]))
+            full = [(la.keys, la.values) for la in cache.layers if la.is_initialized]
+            for la, (K, V) in zip(cache.layers, full):
+                la.keys, la.values = K[lo:hi], V[lo:hi]
+                if bucketed:  # unbucketed, the forwards write one after the other, as `at` says
+                    la.cumulative_length.fill_(at)
+            out = self.model(input_ids=ids.to(self.device), attention_mask=attn[lo:hi],
+                             position_ids=pos.to(self.device), use_cache=True, **{_cache_kw(self.model): cache},
+                             **_last_logits_kw(self.model))
+            for la, (K, V) in zip(cache.layers, full):
+                la.keys, la.values = K, V
+            logits[lo:hi] = out.logits[:, -1, :].float()
+        logits = torch.stack(logits)  # (B, V)
+        next_pos = torch.tensor([plen[b] + len(new[b]) for b in rows], device=self.device)[:, None]
+        return cache, logits, attn, next_pos, torch.tensor(rows, device=self.device), plen, new
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None,
+                 streams=None):
         """-> [(sampled ids, log-probs under the tempered distribution)], one per prompt; a row stops after its
-        end-of-turn token, which is kept. Ids and log-probs stay in (B, max_new_tokens) buffers on the device until
-        the end: the one sync per token is how many rows are done. Finished rows leave the batch once they are half
-        of it (their caches set aside for _keep), as turn lengths vary a lot."""
+        end-of-turn token, which is kept, or after max_new_tokens (an int, or one per prompt). streams: per prompt
+        (episode, turn, offset): its draws come from a stream seeded by (seed, episode, turn), from draw `offset` on
+        (the tokens of the turn sampled in earlier calls), so no token depends on the other rows or on how a turn was
+        cut into calls. With return_at set, the call returns once that share of the rows is done; the others come back
+        with their tokens so far, their indices in self.unfinished, and resume where they stopped when called again.
+        Ids and log-probs stay in (B, max_new_tokens) buffers on the device until the end: the one sync per token is
+        how many rows are done. Finished rows leave the batch once they are half of it."""
         model, B, dev = self.model, len(prompts), self.device
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * B
+        M = max(limits)
         was_training = model.training
         model.eval()
-        rng = torch.Generator(device=dev)  # on the device: sampling there needs no copy of the probabilities
-        rng.manual_seed(seed if seed is not None else random.randrange(2**31))
-        cache, ids, attn, pos, plen, new = self._layout(prompts, cache_keys, max_new_tokens)
+        seed = seed if seed is not None else random.randrange(2**31)
+        u = None if temperature <= 0 else stream_uniforms(seed, streams or [(b, 0, 0) for b in range(B)], limits, dev)
+        cache, logits, attn, next_pos, rows, plen, new = self._prefill(prompts, cache_keys, M)  # logits (B, V)
         kw = _cache_kw(model)
-        slot = attn.shape[1] - max_new_tokens  # the next free cache slot: P + N
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache},
-                    **_last_logits_kw(model))
-        logits = out.logits[:, -1, :].float()  # (B, V)
-        next_pos = pos[:, -1:] + 1  # (B, 1)
-        toks = torch.full((B, max_new_tokens), self.pad_id, dtype=torch.long, device=dev)
-        lps = torch.zeros((B, max_new_tokens), device=dev)
+        slot = attn.shape[1] - M  # the next free cache slot: P + R + N
+        toks = torch.full((B, M), self.pad_id, dtype=torch.long, device=dev)
+        lps = torch.zeros((B, M), device=dev)
         kept = torch.zeros(B, dtype=torch.long, device=dev)  # tokens each prompt keeps: up to its end-of-turn
-        rows = torch.arange(B, device=dev)  # the prompt each batch row samples for
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        limit = torch.tensor(limits, device=dev)  # (B,), per prompt
+        done = torch.zeros(B, dtype=torch.bool, device=dev)  # per batch row
         left = []  # rows that left the batch early: (prompt indices, [(keys, values) per layer], attention mask)
-        for t in range(max_new_tokens):
-            tok_, lp = sample_token(logits, temperature, top_p, rng)  # (b,), (b,) for the b rows still in
-            toks[rows, t], lps[rows, t] = tok_, lp
-            kept[rows] += ~done
-            done |= tok_ == self.eos_id
-            n_done = int(done.sum())  # the sync: one number per token
-            if t + 1 == max_new_tokens or n_done == len(rows):
-                break
-            if 2 * n_done >= len(rows):
-                stay, go = (~done).nonzero().squeeze(-1), done.nonzero().squeeze(-1)
-                if cache_keys is not None:
-                    left.append((rows[go].tolist(), [(la.keys[go], la.values[go]) for la in cache.layers],
-                                 attn[go, :slot]))
-                for la in cache.layers:  # StaticLayer has no batch_select_indices; its update writes in place
-                    la.keys, la.values = la.keys[stay], la.values[stay]
-                rows, done, tok_, attn, next_pos = rows[stay], done[stay], tok_[stay], attn[stay], next_pos[stay]
-            tok_ = tok_.masked_fill(done, self.pad_id)
-            attn[:, slot] = 1
-            slot += 1
-            out = model(input_ids=tok_[:, None], attention_mask=attn, position_ids=next_pos,
-                        use_cache=True, **{kw: cache})
-            logits = out.logits[:, -1, :].float()
-            next_pos = next_pos + 1
+        with attention(model, self.decode_attention):  # eager on a CPU (see attention)
+            for t in range(M):
+                tok_, lp = sample_token(logits, temperature, top_p, None if u is None else u[rows, t])  # (b,), (b,)
+                toks[rows, t], lps[rows, t] = tok_, lp
+                kept[rows] += ~done
+                done |= (tok_ == self.eos_id) | (t + 1 >= limit[rows])
+                n_done = int(done.sum())  # the sync: one number per token
+                if n_done == len(rows) or (self.return_at and n_done >= self.return_at * len(rows)):
+                    break
+                if 2 * n_done >= len(rows):
+                    stay, go = (~done).nonzero().squeeze(-1), done.nonzero().squeeze(-1)
+                    if cache_keys is not None:
+                        left.append((rows[go].tolist(), [(la.keys[go], la.values[go]) for la in cache.layers],
+                                     attn[go, :slot]))
+                    for la in cache.layers:  # StaticLayer has no batch_select_indices; its update writes in place
+                        la.keys, la.values = la.keys[stay], la.values[stay]
+                    rows, done, tok_, attn, next_pos = rows[stay], done[stay], tok_[stay], attn[stay], next_pos[stay]
+                tok_ = tok_.masked_fill(done, self.pad_id)
+                attn[:, slot] = 1
+                slot += 1
+                out = model(input_ids=tok_[:, None], attention_mask=attn, position_ids=next_pos,
+                            use_cache=True, **{kw: cache})
+                logits = out.logits[:, -1, :].float()
+                next_pos = next_pos + 1
+        self.unfinished = set(rows[~done].tolist())
         kept, toks, lps = kept.tolist(), toks.tolist(), lps.tolist()  # the one copy to the host
         new_ids = [row[:k] for row, k in zip(toks, kept)]
         new_lps = [row[:k] for row, k in zip(lps, kept)]
@@ -739,10 +817,11 @@ class HFGenerator:
                 self.kv[cache_keys[b]] = (covered, [(k[i][:, cols].clone(), v[i][:, cols].clone())
                                                     for k, v in layers])
 
-def sample_token(logits, temperature, top_p, rng):
-    """logits (B, V) -> sampled ids (B,) and their log-probs under softmax(logits / T), what the GRPO ratio uses
-    (no top-p truncation: keep top_p=1.0 for RL). temperature 0: greedy, log-prob at T=1. `rng` is on logits'
-    device, so nothing goes to the host."""
+def sample_token(logits, temperature, top_p, u):
+    """logits (B, V), u (B,) uniform draws in [0, 1), one from each row's own stream -> sampled ids (B,) and their
+    log-probs under softmax(logits / T), what the GRPO ratio uses (no top-p truncation: keep top_p=1.0 for RL).
+    Inverse CDF: a row takes the first token whose cumulative probability passes u times the total, so its token
+    depends on its own logits and draw only. temperature 0: greedy (u unused), log-prob at T=1."""
     T = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits / T, dim=-1)
     if temperature <= 0:
@@ -753,8 +832,23 @@ def sample_token(logits, temperature, top_p, rng):
             sp, si = probs.sort(-1, descending=True)
             keep = sp.cumsum(-1) - sp < top_p  # smallest prefix with mass >= top_p
             probs = torch.zeros_like(probs).scatter(-1, si, sp * keep)
-        tok = torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+        cdf = probs.double().cumsum(-1)  # (B, V); float64: float32 sums over a 150k vocabulary drift
+        tok = torch.searchsorted(cdf, u.double()[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+        tok = tok.clamp_(max=logits.shape[-1] - 1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+def stream_seed(seed, episode, turn):
+    """The seed of one turn's random stream: a hash of (seed, episode, turn), < 2**31 (fits any sampler's API)."""
+    digest = hashlib.blake2b(f"{seed}/{episode}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
+
+def stream_uniforms(seed, streams, limits, device):
+    """-> (B, max(limits)) uniform draws: row b holds draws offset..offset+limit of stream (seed, episode, turn)."""
+    u = torch.zeros((len(streams), max(limits)))
+    for b, ((episode, turn, offset), n) in enumerate(zip(streams, limits)):
+        g = torch.Generator().manual_seed(stream_seed(seed, episode, turn))
+        u[b, :n] = torch.rand(offset + n, generator=g)[offset:]
+    return u.to(device)
 
 class VLLMGenerator:
     """The same interface on a vLLM engine in this process, giving the log-probs of the distribution it sampled from
@@ -780,14 +874,18 @@ class VLLMGenerator:
                        max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleeps, **engine_kw)
 
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
-        # cache_keys is not needed: vLLM's prefix cache reuses earlier turns by itself
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None,
+                 streams=None):
+        # cache_keys is not needed: vLLM's prefix cache reuses earlier turns by itself; its scheduler batches
+        # continuously, so every turn comes back finished
         from vllm import SamplingParams, TokensPrompt
         stop = [self.tok.convert_tokens_to_ids(end_of_turn(self.tok))]
-        # a seed per prompt: a GRPO group's copies of one prompt must not sample the same tokens
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, logprobs=0,
-                                 seed=None if seed is None else (seed * 1_000_003 + i) % (2 ** 31 - 1),
-                                 stop_token_ids=stop) for i in range(len(prompts))]
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        streams = streams or [(i, 0, 0) for i in range(len(prompts))]
+        # a seed per turn of each episode: a GRPO group's copies of one prompt must not sample the same tokens
+        params = [SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, logprobs=0,
+                                 seed=None if seed is None else stream_seed(seed, episode, turn),
+                                 stop_token_ids=stop) for n, (episode, turn, _) in zip(limits, streams)]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)])
                 for c in (o.outputs[0] for o in outs)]

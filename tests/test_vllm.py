@@ -137,8 +137,9 @@ def test_greedy_episodes_equal_transformers(engine, shop):
 
 
 def test_group_rollouts_differ_and_seeds_replay(engine, shop):
-    """A GRPO group: 8 copies of one task against a user that answers the same way every time. Each prompt has its
-    own seed, so the copies differ; the same call seed replays them exactly; another call seed gives others."""
+    """A GRPO group: 8 copies of one task against a user that answers the same way every time. Each turn of each
+    episode has its own seed, (seed, episode, turn), so the copies differ; the same run seed replays them exactly;
+    another gives others."""
     _, _, _, tok, gen, _ = engine
     db, tasks = shop
 
