@@ -652,7 +652,8 @@ def _last_logits_kw(model):  # only the last position's logits are sampled from:
 class HFGenerator:
     """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU. Each episode's cache is kept
     across turns (keyed by `cache_keys`), so a turn prefills only the tokens added since the last. Rows are laid out
-    [pad | cached prefix | pad | new tokens]; the attention mask and position ids make the holes invisible.
+    [pad | cached prefix | a resuming row's token | pad | new tokens]; the attention mask and position ids make the
+    holes invisible.
     Continuous batching, turn-wise: a call returns once `return_at` of its rows are done (None: when all are), so
     the episodes whose turns ended act on the world while the unfinished turns wait in their caches, and the next
     call samples both together: no ended turn waits for the longest one."""
@@ -704,31 +705,30 @@ class HFGenerator:
         attn = attn.to(self.device)
         # preallocated for the whole call: a DynamicCache re-allocates every layer's keys and values at each token
         cache = StaticCache(config=self.model.config, max_cache_len=W)
-        groups = [(k, B, 1, P)] if resume else []  # (first row, end row, tokens fed, first slot written)
         if P:
-            k0 = next(e for e in past if e)[1][0][0]  # (heads, T, head_dim): dtype, device and sizes
-            for layer_idx, layer in enumerate(cache.layers):
-                K = k0.new_zeros((B, k0.shape[0], P, k0.shape[2]))
-                V = torch.zeros_like(K)
-                for r, b in enumerate(rows):
-                    if past[b]:
-                        K[r, :, P - plen[b]:] = past[b][1][layer_idx][0]
-                        V[r, :, P - plen[b]:] = past[b][1][layer_idx][1]
-                layer.update(K.to(self.device), V.to(self.device))  # fills slots [0, P)
+            self._fill_prefix(cache, [past[b] for b in rows], P)
         bucketed = P and all(hasattr(la, "cumulative_length") for la in cache.layers)  # else one bucket
+        groups = [(k, B, 1, P)] if resume else []  # (first row, end row, tokens fed, first slot written)
         lo = 0
-        while lo < k:
+        while lo < k:  # starting rows, longest first: a new bucket where a row is under half the bucket's longest
             n = len(new[start[lo]])
             hi = next((r for r in range(lo + 1, k) if bucketed and 2 * len(new[start[r]]) < n), k)
             groups.append((lo, hi, n, P + R + N - n))
             lo = hi
-        logits = [None] * B
+        logits = self._feed(cache, attn, groups, [new[b] for b in rows], [plen[b] for b in rows], bucketed)
+        next_pos = torch.tensor([plen[b] + len(new[b]) for b in rows], device=self.device)[:, None]
+        return cache, logits, attn, next_pos, torch.tensor(rows, device=self.device), plen, new
+
+    def _feed(self, cache, attn, groups, fed, first_pos, bucketed):
+        """One forward per group (first row, end row, n, first slot): its rows feed their tokens `fed`, left-padded
+        to n, at positions from `first_pos`, into slots [at, at + n). -> logits (B, V) at each row's last token."""
+        logits = [None] * len(fed)
         for lo, hi, n, at in groups:
             ids = torch.full((hi - lo, n), self.pad_id, dtype=torch.long)
             pos = torch.zeros((hi - lo, n), dtype=torch.long)
-            for r, b in enumerate(rows[lo:hi]):
-                ids[r, n - len(new[b]):] = torch.tensor(new[b])
-                pos[r, n - len(new[b]):] = torch.arange(plen[b], plen[b] + len(new[b]))
+            for r in range(lo, hi):
+                ids[r - lo, n - len(fed[r]):] = torch.tensor(fed[r])
+                pos[r - lo, n - len(fed[r]):] = torch.arange(first_pos[r], first_pos[r] + len(fed[r]))
             full = [(la.keys, la.values) for la in cache.layers if la.is_initialized]
             for la, (K, V) in zip(cache.layers, full):
                 la.keys, la.values = K[lo:hi], V[lo:hi]
@@ -740,9 +740,19 @@ class HFGenerator:
             for la, (K, V) in zip(cache.layers, full):
                 la.keys, la.values = K, V
             logits[lo:hi] = out.logits[:, -1, :].float()
-        logits = torch.stack(logits)  # (B, V)
-        next_pos = torch.tensor([plen[b] + len(new[b]) for b in rows], device=self.device)[:, None]
-        return cache, logits, attn, next_pos, torch.tensor(rows, device=self.device), plen, new
+        return torch.stack(logits)
+
+    def _fill_prefix(self, cache, past, P):
+        """Copy each row's kept cache (or None) into the cache's slots [0, P), right-aligned."""
+        k0 = next(e for e in past if e)[1][0][0]  # (heads, T, head_dim): dtype, device and sizes
+        for layer_idx, layer in enumerate(cache.layers):
+            K = k0.new_zeros((len(past), k0.shape[0], P, k0.shape[2]))
+            V = torch.zeros_like(K)
+            for r, e in enumerate(past):
+                if e:
+                    K[r, :, P - len(e[0]):] = e[1][layer_idx][0]
+                    V[r, :, P - len(e[0]):] = e[1][layer_idx][1]
+            layer.update(K.to(self.device), V.to(self.device))
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None,
