@@ -651,9 +651,10 @@ def _last_logits_kw(model):  # only the last position's logits are sampled from:
 
 class HFGenerator:
     """Batched sampling with a KV cache on any transformers causal LM, CPU or GPU. Each episode's cache is kept
-    across turns (keyed by `cache_keys`), so a turn prefills only the tokens added since the last. Rows are laid out
-    [pad | cached prefix | a resuming row's token | pad | new tokens]; the attention mask and position ids make the
-    holes invisible.
+    across turns (keyed by `cache_keys`) in buffers that each turn appends to, so a turn prefills only the tokens
+    added since the last. A call lays its rows out [pad | cached prefix | a resuming row's token | pad | new tokens]
+    in batch buffers it reuses (no allocation per call); the attention mask and position ids make the holes
+    invisible.
     Continuous batching, turn-wise: a call returns once `return_at` of its rows are done (None: when all are), so
     the episodes whose turns ended act on the world while the unfinished turns wait in their caches, and the next
     call samples both together: no ended turn waits for the longest one."""
@@ -665,7 +666,8 @@ class HFGenerator:
         self.unfinished = set()  # the rows the last call returned before their turn ended
         self.eos_id = tok.convert_tokens_to_ids(end_of_turn(tok))
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
-        self.kv = {}  # cache key -> (token ids the cache covers, [(k, v) per layer], each (heads, T, head_dim))
+        self.kv = {}  # cache key -> (token ids the cache covers, [(k, v) per layer], each (heads, capacity, head_dim))
+        self.arena, self.kv_dtype = [], None  # see _batch_cache and _kv_dtype
 
     def sleep(self):
         """Nothing to free: this sampler is the policy itself."""
@@ -681,7 +683,6 @@ class HFGenerator:
         starting ones in buckets of similar lengths, so that no row is padded to more than twice its length.
         Each forward's rows are one slice of the cache's batch, a view its update writes through, and every
         bucket writes the slots that end at P + R + N."""
-        from transformers import StaticCache
         past = []
         for p, key in zip(prompts, cache_keys or [None] * len(prompts)):
             ent = self.kv.get(key)
@@ -703,23 +704,21 @@ class HFGenerator:
             else:
                 attn[r, P] = 1
         attn = attn.to(self.device)
-        # preallocated for the whole call: a DynamicCache re-allocates every layer's keys and values at each token
-        cache = StaticCache(config=self.model.config, max_cache_len=W)
+        cache = self._batch_cache(B, W)
         if P:
             self._fill_prefix(cache, [past[b] for b in rows], P)
-        bucketed = P and all(hasattr(la, "cumulative_length") for la in cache.layers)  # else one bucket
         groups = [(k, B, 1, P)] if resume else []  # (first row, end row, tokens fed, first slot written)
         lo = 0
         while lo < k:  # starting rows, longest first: a new bucket where a row is under half the bucket's longest
             n = len(new[start[lo]])
-            hi = next((r for r in range(lo + 1, k) if bucketed and 2 * len(new[start[r]]) < n), k)
+            hi = next((r for r in range(lo + 1, k) if 2 * len(new[start[r]]) < n), k)
             groups.append((lo, hi, n, P + R + N - n))
             lo = hi
-        logits = self._feed(cache, attn, groups, [new[b] for b in rows], [plen[b] for b in rows], bucketed)
+        logits = self._feed(cache, attn, groups, [new[b] for b in rows], [plen[b] for b in rows])
         next_pos = torch.tensor([plen[b] + len(new[b]) for b in rows], device=self.device)[:, None]
         return cache, logits, attn, next_pos, torch.tensor(rows, device=self.device), plen, new
 
-    def _feed(self, cache, attn, groups, fed, first_pos, bucketed):
+    def _feed(self, cache, attn, groups, fed, first_pos):
         """One forward per group (first row, end row, n, first slot): its rows feed their tokens `fed`, left-padded
         to n, at positions from `first_pos`, into slots [at, at + n). -> logits (B, V) at each row's last token."""
         logits = [None] * len(fed)
@@ -729,11 +728,10 @@ class HFGenerator:
             for r in range(lo, hi):
                 ids[r - lo, n - len(fed[r]):] = torch.tensor(fed[r])
                 pos[r - lo, n - len(fed[r]):] = torch.arange(first_pos[r], first_pos[r] + len(fed[r]))
-            full = [(la.keys, la.values) for la in cache.layers if la.is_initialized]
+            full = [(la.keys, la.values) for la in cache.layers]
             for la, (K, V) in zip(cache.layers, full):
                 la.keys, la.values = K[lo:hi], V[lo:hi]
-                if bucketed:  # unbucketed, the forwards write one after the other, as `at` says
-                    la.cumulative_length.fill_(at)
+                la.cumulative_length.fill_(at)  # transformers >= 5.19: where a StaticLayer's update writes
             out = self.model(input_ids=ids.to(self.device), attention_mask=attn[lo:hi],
                              position_ids=pos.to(self.device), use_cache=True, **{_cache_kw(self.model): cache},
                              **_last_logits_kw(self.model))
@@ -742,17 +740,38 @@ class HFGenerator:
             logits[lo:hi] = out.logits[:, -1, :].float()
         return torch.stack(logits)
 
+    def _batch_cache(self, B, W):
+        """A StaticCache of B rows and W slots, its keys and values views of buffers kept across calls: a fresh one
+        each call would cost zeroing and page faults as large as the copies. No zeroing: the buffers only ever hold
+        finite keys and values, and masked slots are read too."""
+        from transformers import StaticCache
+        cache = StaticCache(config=self.model.config, max_cache_len=W)
+        shape = _kv_shape(self.model, B, W)  # (B, kv heads, W, head_dim)
+        if not self.arena or self.arena[0].numel() < math.prod(shape):
+            self.arena = [torch.zeros(2 * math.prod(shape), dtype=self._kv_dtype(), device=self.device)
+                          for _ in range(2 * len(cache.layers))]
+        for la, K, V in zip(cache.layers, self.arena[0::2], self.arena[1::2]):
+            la.keys, la.values = K[:math.prod(shape)].view(shape), V[:math.prod(shape)].view(shape)
+            la.is_initialized, la.dtype, la.device = True, K.dtype, K.device
+            la.cumulative_length = torch.tensor(0, device=K.device)
+        return cache
+
+    def _kv_dtype(self):
+        """What attention writes to the cache: the weights' dtype, or FSDP's or autocast's compute dtype: asked of
+        the model once, with one token."""
+        if self.kv_dtype is None:
+            out = self.model(input_ids=torch.tensor([[self.pad_id]], device=self.device), use_cache=True)
+            self.kv_dtype = out.past_key_values.layers[0].keys.dtype
+        return self.kv_dtype
+
     def _fill_prefix(self, cache, past, P):
         """Copy each row's kept cache (or None) into the cache's slots [0, P), right-aligned."""
-        k0 = next(e for e in past if e)[1][0][0]  # (heads, T, head_dim): dtype, device and sizes
-        for layer_idx, layer in enumerate(cache.layers):
-            K = k0.new_zeros((len(past), k0.shape[0], P, k0.shape[2]))
-            V = torch.zeros_like(K)
+        for i, la in enumerate(cache.layers):
             for r, e in enumerate(past):
                 if e:
-                    K[r, :, P - len(e[0]):] = e[1][layer_idx][0]
-                    V[r, :, P - len(e[0]):] = e[1][layer_idx][1]
-            layer.update(K.to(self.device), V.to(self.device))
+                    la.keys[r, :, P - len(e[0]):P] = e[1][i][0][:, :len(e[0])]
+                    la.values[r, :, P - len(e[0]):P] = e[1][i][1][:, :len(e[0])]
+            la.cumulative_length.fill_(P)
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, seed=None, cache_keys=None,
@@ -819,13 +838,31 @@ class HFGenerator:
         """Store each prompt's cache for its next turn. It covers the prompt and every sampled token but the
         last, which was never fed back (the next prompt starts with it). `parts` hold the batch's rows, those
         at the end and those that left earlier: (prompt indices, [(keys, values) per layer], attention mask)."""
-        self.kv = {}  # episodes not in this call have finished: drop theirs
+        old, self.kv = self.kv, {}  # episodes not in this call have finished: drop theirs
         for rows, layers, attn in parts:
             for i, b in enumerate(rows):
-                cols = attn[i].nonzero().squeeze(-1)[:plen[b] + len(new[b]) + len(new_ids[b]) - 1]
                 covered = prompts[b] + new_ids[b][:-1]
-                self.kv[cache_keys[b]] = (covered, [(k[i][:, cols].clone(), v[i][:, cols].clone())
-                                                    for k, v in layers])
+                cols = attn[i].nonzero().squeeze(-1)[plen[b]:len(covered)]  # the slots of tokens not kept yet
+                bufs = old[cache_keys[b]][1] if plen[b] else []  # those of the prefix the call started from
+                if not bufs or bufs[0][0].shape[1] < len(covered):  # none, or full: twice the room, the prefix copied
+                    like = bufs or [(k[i], v[i]) for k, v in layers]  # the buffers to copy, or rows shaped alike
+                    bufs = [(_grown(k, plen[b], 2 * len(covered)), _grown(v, plen[b], 2 * len(covered)))
+                            for k, v in like]
+                for (K, V), (k, v) in zip(bufs, layers):  # appended in place: the kept prefix is not copied again
+                    K[:, plen[b]:len(covered)], V[:, plen[b]:len(covered)] = k[i][:, cols], v[i][:, cols]
+                self.kv[cache_keys[b]] = (covered, bufs)
+
+def _grown(x, n, capacity):
+    """A zeroed (heads, capacity, head_dim) buffer like x (heads, T, head_dim) holding x's first n slots."""
+    out = x.new_zeros((x.shape[0], capacity, x.shape[2]))
+    out[:, :n] = x[:, :n]
+    return out
+
+def _kv_shape(model, rows, slots):
+    """(rows, kv heads, slots, head_dim) of one layer's keys or values."""
+    c = model.config.get_text_config()
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return rows, heads, slots, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 def sample_token(logits, temperature, top_p, u):
     """logits (B, V), u (B,) uniform draws in [0, 1), one from each row's own stream -> sampled ids (B,) and their

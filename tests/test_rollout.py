@@ -1109,6 +1109,39 @@ def test_continuous_batching_keeps_greedy_transcripts(tasks, db):
     assert max(abs(a - b) for e, w in zip(eps, whole) for a, b in zip(e.logprobs, w.logprobs)) < 1e-4
 
 
+def test_kept_caches_hold_what_a_full_forward_computes(tasks, db):
+    """After every sampler call, each episode's kept buffers (appended to turn by turn, grown when full) hold, slot
+    for slot, the keys and values one forward over its covered tokens computes (control: one slot over, they do
+    not). Before every call the reused batch buffers are filled with noise: the transcripts stay those of a sampler
+    whose buffers were never touched, as masked slots carry no weight however finite their contents."""
+    model, tok = rollout.load_model(str(Path(__file__).resolve().parent / "tiny_sft"))
+
+    def play(noise):
+        gen, checked = rollout.HFGenerator(model, tok), []
+        inner = gen.generate
+
+        def spy(*a, **kw):
+            for buf in gen.arena if noise else []:
+                buf.normal_(0, 100)
+            out = inner(*a, **kw)
+            for covered, bufs in list(gen.kv.values())[:3]:
+                with torch.no_grad():
+                    full = model(input_ids=torch.tensor([covered]), use_cache=True).past_key_values
+                for (K, V), la in zip(bufs, full.layers):
+                    n = len(covered)
+                    assert K.shape[1] >= n and torch.allclose(K[:, :n], la.keys[0], atol=1e-4)
+                    assert torch.allclose(V[:, :n], la.values[0], atol=1e-4)
+                    assert not torch.allclose(K[:, 1:n], la.keys[0][:, :n - 1], atol=1e-4)
+                checked.append(n)
+            return out
+        gen.generate = spy
+        agent = rollout.TokenAgent(gen, tok, max_new_tokens=64, temperature=0.0, max_len=1024)
+        return rollout.run_episodes(agent, env.Shop(db, max_turns=16), tasks[:6]), checked
+    (eps, checked), (noisy, _) = play(False), play(True)
+    assert len(checked) > 10 and max(checked) > 2 * min(checked)  # many calls, as conversations grew
+    assert [e.ids for e in noisy] == [e.ids for e in eps]
+
+
 # ----------------------------------------------------------------------------------------------------
 # checkpoints and run folders
 
