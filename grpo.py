@@ -84,7 +84,7 @@ def grpo_step(policy, ref, opt, agent, world, tasks, *, step, seed, batch_tasks,
     advs = group_advantages([e.reward for e in episodes], group, mean_only, valid=[not e.errored for e in episodes])
     # 5. PPO-clip updates, unless every group had equal rewards (all advantages 0: no policy gradient)
     if ranks.any((advs != 0).any()):  # every rank takes the same branch
-        agent.gen.sleep()  # vLLM hands its GPU memory to the update (the transformers sampler: nothing to do)
+        agent.gen.sleep()  # vLLM hands its GPU memory to the update (the transformers sampler: its buffers)
         stats = {**ppo(policy, ref, opt, episodes, advs, ranks=ranks, **update_kw), "update_skipped": 0}
         agent.gen.load_weights(unwrap(policy))  # vLLM gets the new weights (transformers reads the live ones)
     else:

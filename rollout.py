@@ -670,7 +670,8 @@ class HFGenerator:
         self.arena, self.kv_dtype = [], None  # see _batch_cache and _kv_dtype
 
     def sleep(self):
-        """Nothing to free: this sampler is the policy itself."""
+        """Free the batch buffers and the kept caches (GRPO's update needs the memory; the next call rebuilds them)."""
+        self.arena, self.kv = [], {}
 
     def load_weights(self, model):
         """Nothing to push: generate() reads the live weights of the model it was built on."""
