@@ -71,8 +71,8 @@ def main(argv=None):
     g.add_argument("--copy-warmup", type=int, default=900, help="tiny: at most this many short copy steps, + 1/3 long")
     g.add_argument("--copy-mix", type=int, default=4, help="tiny family: copy sequences mixed into every SFT step")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule's length; --patience may "
-                   "stop earlier)")
+    g.add_argument("--steps", type=int, default=1200, help="optimizer steps (the schedule's length; --patience may "
+                   "stop earlier). 1200: where the demo's training-side validation peaked (600 / 1200 / 1800 steps)")
     g.add_argument("--batch-size", type=int, default=8, help="conversations per micro-batch (per rank)")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (tiny from scratch; ~1e-5 for an 8B)")
