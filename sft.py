@@ -14,7 +14,8 @@ With --patience N, every --eval-every steps the model plays the tasks of the hel
 the training side, never the test split) greedily with the scripted user, and after N validations without a higher
 success rate training stops; the run folder's `latest` then names the best validated checkpoint, which is what
 grpo.py and evaluate.py load. Off by default: on the demo, 40 tasks judge too noisily to stop a run whose learning
-rate has not yet decayed (the README's results).
+rate has not yet decayed (at 679671b, `--patience 4 --steps 1500 --eval-frac 0.1` stopped at 750-1,000 steps with the
+learning rate at 51-74% of its peak, and SFT continued from there beat GRPO by 8 points).
 
 What is simplified, and why:
 1. One loop for every model: AdamW, linear warm-up then cosine, gradient accumulation, DDP under torchrun.
