@@ -270,7 +270,8 @@ def main(argv=None):
     g.add_argument("--max-errored-steps", type=int, default=3, help="stop (non-zero exit) after this many "
                    "consecutive steps in which every episode errored, e.g. a dead user endpoint (0: never stop)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=30, help="GRPO steps")
+    g.add_argument("--steps", type=int, default=60, help="GRPO steps (demo: from seed 0's SFT, pass^1 on 200 training "
+                   "tasks x 2 went 51.0 -> 53.5 at 30 steps -> 54.5 at 60; the training reward still rose)")
     g.add_argument("--lr", type=float, default=1e-4, help="tiny model (5e-5 learned a third as fast on "
                    "training tasks, 2e-4 no faster); the paper: 1e-6 on 8B")
     g.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip")

@@ -2,7 +2,7 @@
 The CPU demo, measured: the README's pipeline on seeds 0-2 from a fresh data folder each, timed stage by stage, and
 RL's effect against the same compute spent on more SFT.
 
-    python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 25 min a seed, alone)
+    python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 30 min a seed, alone)
     python tests/demo_study.py --seeds 0 --out runs/s0 # one seed
     python tests/demo_study.py --report runs/study     # only the table and the plot, from finished runs
     python tests/demo_study.py --sft-args "--patience 4 --steps 1500 --eval-frac 0.1" --grpo-args "--steps 60"
