@@ -5,7 +5,7 @@ RL's effect against the same compute spent on more SFT.
     python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 30 min a seed, alone)
     python tests/demo_study.py --seeds 0 --out runs/s0 # one seed
     python tests/demo_study.py --report runs/study     # only the table and the plot, from finished runs
-    python tests/demo_study.py --sft-args "--patience 4 --steps 1500 --eval-frac 0.1" --grpo-args "--steps 60"
+    python tests/demo_study.py --sft-args "--patience 4 --steps 1500 --eval-frac 0.1" --grpo-args "--steps 30"
 
 Per seed S, each a command line of the README's pipeline with `--seed S` (the defaults otherwise):
     synth.py; sft.py (from the committed base); grpo.py (M minutes);
