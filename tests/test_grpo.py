@@ -882,8 +882,7 @@ def _policy_and_ref(model, kind, beta, wrap):
 
 
 def _fsdp_rank(rank, world, port, model, eps, advs, out):
-    import faulthandler, os
-    faulthandler.dump_traceback_later(55, exit=True)  # a hang exits 1 with its stack, inside the join
+    import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -939,8 +938,7 @@ def test_fsdp_update_matches_one_process(tiny, tmp_path):
 
 def _empty_rank(rank, world, port, model, eps, advs, out):
     """update() under FSDP2 where rank 1 holds no episode at all; rank 0 saves the gradients of its 3 steps."""
-    import faulthandler, os
-    faulthandler.dump_traceback_later(55, exit=True)  # a hang exits 1 with its stack, inside the join
+    import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
