@@ -341,7 +341,7 @@ def test_grpo_learns_on_the_demos_training_tasks(shop, splits):
 
 
 def _ddp_rank(rank, world, port, model, eps, advs, out):
-    import faulthandler, os
+    import faulthandler
     faulthandler.dump_traceback_later(55, exit=True)  # a hang exits 1 with its stack, inside the join
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -882,7 +882,6 @@ def _policy_and_ref(model, kind, beta, wrap):
 
 
 def _fsdp_rank(rank, world, port, model, eps, advs, out):
-    import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -938,7 +937,6 @@ def test_fsdp_update_matches_one_process(tiny, tmp_path):
 
 def _empty_rank(rank, world, port, model, eps, advs, out):
     """update() under FSDP2 where rank 1 holds no episode at all; rank 0 saves the gradients of its 3 steps."""
-    import os
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
