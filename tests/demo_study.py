@@ -15,7 +15,8 @@ Per seed S, each a command line of the README's pipeline with `--seed S` (the de
     at the learning rate of its last step (with --patience: of the step its validation chose); evaluate.py on it.
 GRPO's effect is MUA-RL minus SFT (the paper's claim) and minus SFT-more (the same compute) on the held-out tasks
 (greedy pass^1 and pass^4 over 4 trials): the mean over seeds, with a 95% interval from a paired bootstrap that
-resamples each seed's tasks (the same tasks for both models) and averages over seeds, and pass^1 per task kind.
+resamples each seed's tasks (the same tasks for both models) and averages over seeds, a second that resamples the
+seeds too (how far a rerun moves it), and pass^1 per task kind.
 Writes <out>/study.json, <out>/study.md and <out>/reward.png (GRPO's training reward, every seed).
 """
 import argparse
@@ -112,6 +113,17 @@ def bootstrap(diffs, n=10000, seed=0):
     return mean, draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
 
 
+def bootstrap_runs(diffs, n=10000, seed=0):
+    """Like bootstrap, but each draw first resamples the seeds (whole runs, with replacement), then each drawn seed's
+    tasks: the interval also carries how much a rerun of the pipeline moves the result. With few seeds it is coarse
+    (3 seeds give 10 distinct draws of runs). -> (mean, 2.5th percentile, 97.5th percentile)."""
+    rng = random.Random(seed)
+    mean = sum(sum(d) / len(d) for d in diffs) / len(diffs)
+    draws = sorted(sum(sum(rng.choice(d) for _ in d) / len(d) for d in (rng.choice(diffs) for _ in diffs))
+                   / len(diffs) for _ in range(n))
+    return mean, draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
+
+
 def report(out, seeds):
     recs = [json.load(open(os.path.join(out, f"seed{s}", "record.json"))) for s in seeds]
     table = {}
@@ -137,9 +149,12 @@ def report(out, seeds):
         for k, name in ((0, "pass^1"), (1, "pass^4")):
             diffs = [[100 * (table[s][a][t][k] - table[s][b][t][k]) for t in sorted(table[s][b])] for s in seeds]
             m, lo, hi = bootstrap(diffs)
-            effects[f"{a} - {b}, {name}"] = [round(m, 1), round(lo, 1), round(hi, 1)]
-    lines += ["", "| difference (points, paired over tasks) | mean | 95% interval |", "|---|---|---|"]
-    lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] |" for k, v in effects.items()]
+            _, rlo, rhi = bootstrap_runs(diffs)
+            effects[f"{a} - {b}, {name}"] = [round(x, 1) for x in (m, lo, hi, rlo, rhi)]
+    lines += ["", "| difference (points, paired over tasks) | mean | 95% interval | 95% interval, runs resampled too |",
+              "|---|---|---|---|"]
+    lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] | [{v[3]:+.1f}, {v[4]:+.1f}] |"
+              for k, v in effects.items()]
     kinds = sorted({KINDS[t] for s in seeds for t in table[s]["sft"]})
     by_kind = {k: {r: 100 * sum(x[0] for s in seeds for t, x in table[s][r].items() if KINDS[t] == k)
                    / max(1, sum(KINDS[t] == k for s in seeds for t in table[s][r])) for r in ROWS} for k in kinds}

@@ -47,6 +47,21 @@ def test_pass_at_k_hand_made():
     assert evaluate.pass_at_k(table, 2) >= evaluate.pass_hat_k(table, 2)
 
 
+def test_study_intervals_carry_run_to_run_spread():
+    """tests/demo_study.py's two intervals: resampling tasks alone cannot see that runs disagree; resampling the
+    runs too must (the control: runs that agree give both intervals the same width)."""
+    from demo_study import bootstrap, bootstrap_runs
+    bootstrap, bootstrap_runs = (functools.partial(f, n=2000) for f in (bootstrap, bootstrap_runs))
+    tasks = [0.0] * 30 + [100.0] * 30  # one run's per-task differences: mean +50
+    agree = [tasks, tasks, tasks]
+    disagree = [[x - 40 for x in tasks], [x + 40 for x in tasks], tasks]  # run means +10, +90, +50
+    width = lambda ci: ci[2] - ci[1]
+    assert bootstrap(disagree)[0] == bootstrap_runs(disagree)[0] == pytest.approx(50)
+    assert width(bootstrap(disagree)) == pytest.approx(width(bootstrap(agree)))  # blind to the runs' spread
+    assert width(bootstrap_runs(disagree)) > width(bootstrap(disagree)) + 20
+    assert width(bootstrap_runs(agree)) == pytest.approx(width(bootstrap(agree)), abs=3)
+
+
 def test_evaluate_cli(world):
     out = world.root / "eval"
     r = run_py("evaluate.py", "--models", f"base={world.sft / 'init'}", f"sft={world.sft}", "--data-dir", world.data,
