@@ -104,23 +104,15 @@ def scores(trials):
     return {t: (sum(r) / len(r), float(all(x == 1.0 for x in r))) for t, r in trials.items()}
 
 
-def bootstrap(diffs, n=10000, seed=0):
+def bootstrap(diffs, n=10000, seed=0, runs=False):
     """diffs: one list of per-task differences per seed. Resample each seed's tasks with replacement, average per
-    seed, then over seeds. -> (mean, 2.5th percentile, 97.5th percentile)."""
+    seed, then over seeds. runs: each draw first resamples the seeds too (whole runs, with replacement), so the
+    interval also carries how far a rerun of the pipeline moves the result; with few seeds it is coarse (3 seeds give
+    10 distinct draws of runs). -> (mean, 2.5th percentile, 97.5th percentile)."""
     rng = random.Random(seed)
     mean = sum(sum(d) / len(d) for d in diffs) / len(diffs)
-    draws = sorted(sum(sum(rng.choice(d) for _ in d) / len(d) for d in diffs) / len(diffs) for _ in range(n))
-    return mean, draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
-
-
-def bootstrap_runs(diffs, n=10000, seed=0):
-    """Like bootstrap, but each draw first resamples the seeds (whole runs, with replacement), then each drawn seed's
-    tasks: the interval also carries how much a rerun of the pipeline moves the result. With few seeds it is coarse
-    (3 seeds give 10 distinct draws of runs). -> (mean, 2.5th percentile, 97.5th percentile)."""
-    rng = random.Random(seed)
-    mean = sum(sum(d) / len(d) for d in diffs) / len(diffs)
-    draws = sorted(sum(sum(rng.choice(d) for _ in d) / len(d) for d in (rng.choice(diffs) for _ in diffs))
-                   / len(diffs) for _ in range(n))
+    pick = lambda: (rng.choice(diffs) for _ in diffs) if runs else diffs  # lazy: a run, then its tasks, in turn
+    draws = sorted(sum(sum(rng.choice(d) for _ in d) / len(d) for d in pick()) / len(diffs) for _ in range(n))
     return mean, draws[int(0.025 * n)], draws[int(0.975 * n) - 1]
 
 
@@ -149,7 +141,7 @@ def report(out, seeds):
         for k, name in ((0, "pass^1"), (1, "pass^4")):
             diffs = [[100 * (table[s][a][t][k] - table[s][b][t][k]) for t in sorted(table[s][b])] for s in seeds]
             m, lo, hi = bootstrap(diffs)
-            _, rlo, rhi = bootstrap_runs(diffs)
+            _, rlo, rhi = bootstrap(diffs, runs=True)
             effects[f"{a} - {b}, {name}"] = [round(x, 1) for x in (m, lo, hi, rlo, rhi)]
     lines += ["", "| difference (points, paired over tasks) | mean | 95% interval | 95% interval, runs resampled too |",
               "|---|---|---|---|"]

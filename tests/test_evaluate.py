@@ -50,8 +50,8 @@ def test_pass_at_k_hand_made():
 def test_study_intervals_carry_run_to_run_spread():
     """tests/demo_study.py's two intervals: resampling tasks alone cannot see that runs disagree; resampling the
     runs too must (the control: runs that agree give both intervals the same width)."""
-    from demo_study import bootstrap, bootstrap_runs
-    bootstrap, bootstrap_runs = (functools.partial(f, n=2000) for f in (bootstrap, bootstrap_runs))
+    from demo_study import bootstrap
+    bootstrap, bootstrap_runs = functools.partial(bootstrap, n=2000), functools.partial(bootstrap, n=2000, runs=True)
     tasks = [0.0] * 30 + [100.0] * 30  # one run's per-task differences: mean +50
     agree = [tasks, tasks, tasks]
     disagree = [[x - 40 for x in tasks], [x + 40 for x in tasks], tasks]  # run means +10, +90, +50
