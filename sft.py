@@ -522,20 +522,25 @@ def is_tiny_family(tok):
 ID_DIGITS = re.compile(r"\d{4,}")
 NAMES = re.compile(r"(?<![A-Za-z])(" + "|".join(NAME_TOKENS) + r")(?![a-z])")  # a name, not inside a word
 
-def redraw_ids(messages, rng):
+def redraw_ids(messages, rng, keys=False, unique=False):
     """Replace every run of 4+ digits (order, item, product, payment and user ids, zips) by a fresh random run of
     the same length, and every customer name by another (first names and last names each permuted), consistently
     across one conversation: "Olga", "olga.ito8993@..." and "olga_ito_8993" stay one person. The conversation
     stays self-consistent, but no id or name can be memorized: a small model trained on a few dozen users must
-    learn to copy them from the context."""
-    new = {}
+    learn to copy them from the context. keys: dict keys too; unique: no two runs get the same new digits (both
+    for a whole database, whose records are keyed by id: tests/demo_study.py's validation shop)."""
+    new, taken = {}, set()
     names = dict(zip(env.FIRST + env.LAST, rng.sample(env.FIRST, len(env.FIRST)) + rng.sample(env.LAST, len(env.LAST))))
     names.update({a.lower(): b.lower() for a, b in names.items()})
 
     def digits(m):
         s = m.group(0)
+        draw = lambda: "".join(str(rng.randrange(10)) for _ in s)  # noqa: E731
         if s not in new:
-            new[s] = "".join(str(rng.randrange(10)) for _ in s)
+            new[s] = draw()
+            while unique and new[s] in taken:
+                new[s] = draw()
+            taken.add(new[s])
         return new[s]
 
     def walk(x):
@@ -544,7 +549,7 @@ def redraw_ids(messages, rng):
         if isinstance(x, list):
             return [walk(v) for v in x]
         if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
+            return {walk(k) if keys else k: walk(v) for k, v in x.items()}
         return x
     return walk(messages)
 

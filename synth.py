@@ -496,13 +496,18 @@ def _make_task(db, user, kind, rng):
                        "first_name": first_name, "last_name": last_name, "zip": zipc, "user_id": user["user_id"],
                        "phases": phases}}
 
-def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
-    """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
-    rng = random.Random(seed)
+def split_users(db, rng, test_frac=0.2):
+    """{"test": user ids, "train": user ids}: the first `test_frac` of the users, shuffled by rng, are test-only."""
     uids = sorted(db["users"])
     rng.shuffle(uids)
     n_test_users = max(1, int(len(uids) * test_frac))
-    splits = {"test": uids[:n_test_users], "train": uids[n_test_users:]}
+    return {"test": uids[:n_test_users], "train": uids[n_test_users:]}
+
+
+def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
+    """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
+    rng = random.Random(seed)
+    splits = split_users(db, rng, test_frac)
     out = {}
     for split, n in (("train", n_train), ("test", n_test)):
         tasks = out[split] = []

@@ -5,6 +5,7 @@ RL's effect against the same compute spent on more SFT.
     python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 30 min a seed, alone)
     python tests/demo_study.py --seeds 0 --out runs/s0 # one seed
     python tests/demo_study.py --report runs/study     # only the table and the plot, from finished runs
+    python tests/demo_study.py --validate runs/study   # finished runs on 100 training-side tasks per seed (5 min)
     python tests/demo_study.py --sft-args "--patience 4 --steps 1500 --eval-frac 0.1" --grpo-args "--steps 30"
 
 Per seed S, each a command line of the README's pipeline with `--seed S` (the defaults otherwise):
@@ -18,6 +19,9 @@ GRPO's effect is MUA-RL minus SFT (the paper's claim) and minus SFT-more (the sa
 resamples each seed's tasks (the same tasks for both models) and averages over seeds, a second that resamples the
 seeds too (how far a rerun moves it), and pass^1 per task kind.
 Writes <out>/study.json, <out>/study.md and <out>/reward.png (GRPO's training reward, every seed).
+--validate scores the same three models on training-side tasks neither stage trained on, their users re-drawn to be
+as unseen as the test users (<seed>/data/val): the place to compare defaults, since the held-out tasks must not be.
+Writes <out>/validation.md.
 """
 import argparse
 import json
@@ -136,13 +140,7 @@ def report(out, seeds):
             p4s.append(p4)
         summary[r] = {"pass^1": p1s, "pass^4": p4s}
         lines.append(f"| {r} | " + " | ".join(cells) + f" | {sum(p1s) / len(p1s):.1f} | {sum(p4s) / len(p4s):.1f} |")
-    effects = {}
-    for a, b in [("mua-rl", "sft"), ("mua-rl", "sft-more"), ("sft-more", "sft")]:
-        for k, name in ((0, "pass^1"), (1, "pass^4")):
-            diffs = [[100 * (table[s][a][t][k] - table[s][b][t][k]) for t in sorted(table[s][b])] for s in seeds]
-            m, lo, hi = bootstrap(diffs)
-            _, rlo, rhi = bootstrap(diffs, runs=True)
-            effects[f"{a} - {b}, {name}"] = [round(x, 1) for x in (m, lo, hi, rlo, rhi)]
+    effects = differences(table, seeds)
     lines += ["", "| difference (points, paired over tasks) | mean | 95% interval | 95% interval, runs resampled too |",
               "|---|---|---|---|"]
     lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] | [{v[3]:+.1f}, {v[4]:+.1f}] |"
@@ -166,6 +164,85 @@ def report(out, seeds):
     with open(os.path.join(out, "study.json"), "w") as f:
         json.dump({"records": recs, "rows": summary, "effects": effects, "by_kind": by_kind}, f, indent=1)
     plot_rewards(out, seeds)
+
+
+def differences(table, seeds):
+    """table: seed -> model -> {task: (pass^1, pass^4)} -> {"a - b, pass^k": [mean, 95% interval over tasks (lo, hi),
+    95% interval with the runs resampled too (lo, hi)]} in points, for MUA-RL and SFT-more against SFT and each other."""
+    effects = {}
+    for a, b in [("mua-rl", "sft"), ("mua-rl", "sft-more"), ("sft-more", "sft")]:
+        for k, name in ((0, "pass^1"), (1, "pass^4")):
+            diffs = [[100 * (table[s][a][t][k] - table[s][b][t][k]) for t in sorted(table[s][b])] for s in seeds]
+            m, lo, hi = bootstrap(diffs)
+            _, rlo, rhi = bootstrap(diffs, runs=True)
+            effects[f"{a} - {b}, {name}"] = [round(x, 1) for x in (m, lo, hi, rlo, rhi)]
+    return effects
+
+
+# ----------------------------------------------------------------------------------------------------
+# --validate: the finished runs on the training side, on tasks neither stage trained on and users no model saw
+
+
+def validation_set(data_dir, seed, n=100):
+    """n training-side tasks as the held-out ones are to the models: new tasks over the training users (none equal
+    to a task of train_tasks.jsonl; the test users untouched), then the shop and these tasks with every id and name
+    re-drawn by one mapping (sft.redraw_ids), so their users are as unseen as the test users.
+    -> (shop path, tasks path) in <data_dir>/val, made once."""
+    sys.path.insert(0, REPO)
+    import env, sft, synth
+    folder = os.path.join(data_dir, "val")
+    shop, tasks_path = os.path.join(folder, "shop.json"), os.path.join(folder, "tasks.jsonl")
+    if os.path.exists(tasks_path):
+        return shop, tasks_path
+    db = env.load_db(os.path.join(data_dir, "shop.json"))
+    users = synth.split_users(db, random.Random(seed))["train"]  # generate_tasks' split of this seed's shop
+    key = lambda t: json.dumps([t["user_scenario"], [(a["name"], a["arguments"])
+                                                     for a in t["evaluation_criteria"]["actions"]]], sort_keys=True)
+    seen = {key(t) for t in env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl"))}
+    rng, tasks = random.Random(10**6 + seed), []
+    for i in range(50 * n):
+        if len(tasks) == n:
+            break
+        t = synth._make_task(db, db["users"][rng.choice(users)], synth.TASK_KINDS[i % len(synth.TASK_KINDS)], rng)
+        if t and key(t) not in seen:
+            seen.add(key(t))
+            t["id"] = f"val_{len(tasks)}"
+            for j, a in enumerate(t["evaluation_criteria"]["actions"]):
+                a["action_id"] = f"{t['id']}_{j}"
+            tasks.append(t)
+    if len(tasks) < n:
+        raise SystemExit(f"{data_dir}: only {len(tasks)} new training-side tasks in {50 * n} draws; ask for fewer")
+    new_db, tasks = sft.redraw_ids([db, tasks], random.Random(seed), keys=True, unique=True)
+    assert all(len(new_db[k]) == len(db[k]) for k in db), "the re-drawn shop lost records"
+    os.makedirs(folder, exist_ok=True)
+    with open(shop, "w") as f:
+        json.dump(new_db, f)
+    env.save_tasks(tasks, tasks_path)
+    return shop, tasks_path
+
+
+def validate(out, seeds, n=100):
+    """Each finished seed's SFT, MUA-RL and SFT-more on its validation_set (4 greedy trials), and the paired
+    differences as `report` computes them. Writes <out>/validation.md."""
+    table = {}
+    for s in seeds:
+        d = lambda *p: os.path.join(out, f"seed{s}", *p)
+        if not os.path.exists(d("eval_val", "results.json")):
+            shop, tasks = validation_set(d("data"), s, n)
+            run(["evaluate.py", "--data-dir", d("data"), "--db", shop, "--tasks", tasks, "--k", "4", "--out",
+                 d("eval_val"), "--models", f"sft={d('sft')}", f"mua-rl={d('grpo')}", f"sft-more={d('sft_more')}"],
+                d("evaluate-val.log"))
+        table[s] = {r: scores(per_task(d("eval_val", f"{r}_shop.jsonl"))) for r in ("sft", "mua-rl", "sft-more")}
+    lines = ["| model | " + " | ".join(f"seed {s} pass^1" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    lines += [f"| {r} | " + " | ".join(f"{100 * sum(x[0] for x in table[s][r].values()) / len(table[s][r]):.1f}"
+                                     for s in seeds) + " |" for r in ("sft", "mua-rl", "sft-more")]
+    lines += ["", "| difference (points, paired over tasks) | mean | 95% interval | 95% interval, runs resampled too |",
+              "|---|---|---|---|"]
+    lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] | [{v[3]:+.1f}, {v[4]:+.1f}] |"
+              for k, v in differences(table, seeds).items()]
+    print("\n".join(lines))
+    with open(os.path.join(out, "validation.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def plot_rewards(out, seeds):
@@ -196,7 +273,12 @@ def main():
     p.add_argument("--sft-args", default="", help="flags for every sft.py run, before the study's own (which win), "
                    "e.g. \"--patience 4 --steps 1500 --eval-frac 0.1\"")
     p.add_argument("--grpo-args", default="", help="flags for both grpo.py runs, e.g. \"--steps 60\"")
+    p.add_argument("--validate", default=None, help="only score the finished seeds in this folder on training-side "
+                   "tasks neither stage trained on, their users re-drawn (validation_set): where to choose defaults")
+    p.add_argument("--val-tasks", type=int, default=100, help="validation tasks per seed (--validate)")
     a = p.parse_args()
+    if a.validate:
+        return validate(a.validate, a.seeds, a.val_tasks)
     if not a.report:
         for s in a.seeds:
             one_seed(s, os.path.join(a.out, f"seed{s}"), shlex.split(a.sft_args), shlex.split(a.grpo_args))
