@@ -5,7 +5,7 @@ RL's effect against the same compute spent on more SFT.
     python tests/demo_study.py                         # seeds 0 1 2 into runs/study (about 30 min a seed, alone)
     python tests/demo_study.py --seeds 0 --out runs/s0 # one seed
     python tests/demo_study.py --report runs/study     # only the table and the plot, from finished runs
-    python tests/demo_study.py --validate runs/study   # finished runs on 100 training-side tasks per seed (5 min)
+    python tests/demo_study.py --validate runs/study   # finished runs on 100 training-side tasks a seed (1.5 min each)
     python tests/demo_study.py --sft-args "--patience 4 --steps 1500 --eval-frac 0.1" --grpo-args "--steps 30"
 
 Per seed S, each a command line of the README's pipeline with `--seed S` (the defaults otherwise):
@@ -141,10 +141,7 @@ def report(out, seeds):
         summary[r] = {"pass^1": p1s, "pass^4": p4s}
         lines.append(f"| {r} | " + " | ".join(cells) + f" | {sum(p1s) / len(p1s):.1f} | {sum(p4s) / len(p4s):.1f} |")
     effects = differences(table, seeds)
-    lines += ["", "| difference (points, paired over tasks) | mean | 95% interval | 95% interval, runs resampled too |",
-              "|---|---|---|---|"]
-    lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] | [{v[3]:+.1f}, {v[4]:+.1f}] |"
-              for k, v in effects.items()]
+    lines += difference_lines(effects)
     kinds = sorted({KINDS[t] for s in seeds for t in table[s]["sft"]})
     by_kind = {k: {r: 100 * sum(x[0] for s in seeds for t, x in table[s][r].items() if KINDS[t] == k)
                    / max(1, sum(KINDS[t] == k for s in seeds for t in table[s][r])) for r in ROWS} for k in kinds}
@@ -168,7 +165,7 @@ def report(out, seeds):
 
 def differences(table, seeds):
     """table: seed -> model -> {task: (pass^1, pass^4)} -> {"a - b, pass^k": [mean, 95% interval over tasks (lo, hi),
-    95% interval with the runs resampled too (lo, hi)]} in points, for MUA-RL and SFT-more against SFT and each other."""
+    95% interval with the runs resampled too (lo, hi)]} in points: MUA-RL and SFT-more against SFT and each other."""
     effects = {}
     for a, b in [("mua-rl", "sft"), ("mua-rl", "sft-more"), ("sft-more", "sft")]:
         for k, name in ((0, "pass^1"), (1, "pass^4")):
@@ -179,17 +176,26 @@ def differences(table, seeds):
     return effects
 
 
+def difference_lines(effects):
+    """differences() as a markdown table, after a blank line."""
+    return ["", "| difference (points, paired over tasks) | mean | 95% interval | 95% interval, runs resampled too |",
+            "|---|---|---|---|"] + [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] | [{v[3]:+.1f}, {v[4]:+.1f}] |"
+                                    for k, v in effects.items()]
+
+
 # ----------------------------------------------------------------------------------------------------
 # --validate: the finished runs on the training side, on tasks neither stage trained on and users no model saw
 
 
 def validation_set(data_dir, seed, n=100):
-    """n training-side tasks as the held-out ones are to the models: new tasks over the training users (none equal
-    to a task of train_tasks.jsonl; the test users untouched), then the shop and these tasks with every id and name
-    re-drawn by one mapping (sft.redraw_ids), so their users are as unseen as the test users.
+    """n training-side tasks that are to the trained models what the held-out ones are: new tasks over the training
+    users (none equal to a task of train_tasks.jsonl; the test users untouched), then the shop and these tasks with
+    every id and name re-drawn by one mapping (sft.redraw_ids), so their users are as unseen as the test users.
     -> (shop path, tasks path) in <data_dir>/val, made once."""
     sys.path.insert(0, REPO)
-    import env, sft, synth
+    import env
+    import sft
+    import synth
     folder = os.path.join(data_dir, "val")
     shop, tasks_path = os.path.join(folder, "shop.json"), os.path.join(folder, "tasks.jsonl")
     if os.path.exists(tasks_path):
@@ -213,7 +219,8 @@ def validation_set(data_dir, seed, n=100):
     if len(tasks) < n:
         raise SystemExit(f"{data_dir}: only {len(tasks)} new training-side tasks in {50 * n} draws; ask for fewer")
     new_db, tasks = sft.redraw_ids([db, tasks], random.Random(seed), keys=True, unique=True)
-    assert all(len(new_db[k]) == len(db[k]) for k in db), "the re-drawn shop lost records"
+    if any(len(new_db[k]) != len(db[k]) for k in db):  # unique=True makes this impossible; a shop that breaks it stops
+        raise SystemExit(f"{data_dir}/shop.json: re-drawing its ids merged records")
     os.makedirs(folder, exist_ok=True)
     with open(shop, "w") as f:
         json.dump(new_db, f)
@@ -236,10 +243,7 @@ def validate(out, seeds, n=100):
     lines = ["| model | " + " | ".join(f"seed {s} pass^1" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
     lines += [f"| {r} | " + " | ".join(f"{100 * sum(x[0] for x in table[s][r].values()) / len(table[s][r]):.1f}"
                                      for s in seeds) + " |" for r in ("sft", "mua-rl", "sft-more")]
-    lines += ["", "| difference (points, paired over tasks) | mean | 95% interval | 95% interval, runs resampled too |",
-              "|---|---|---|---|"]
-    lines += [f"| {k} | {v[0]:+.1f} | [{v[1]:+.1f}, {v[2]:+.1f}] | [{v[3]:+.1f}, {v[4]:+.1f}] |"
-              for k, v in differences(table, seeds).items()]
+    lines += difference_lines(differences(table, seeds))
     print("\n".join(lines))
     with open(os.path.join(out, "validation.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
