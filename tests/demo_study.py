@@ -187,6 +187,12 @@ def difference_lines(effects):
 # --validate: the finished runs on the training side, on tasks neither stage trained on and users no model saw
 
 
+def task_key(task):
+    """What makes two tasks the same request: the user's scenario and the gold calls (not their action ids)."""
+    calls = [(a["name"], a["arguments"]) for a in task["evaluation_criteria"]["actions"]]
+    return json.dumps([task["user_scenario"], calls], sort_keys=True)
+
+
 def validation_set(data_dir, seed, n=100):
     """n training-side tasks that are to the trained models what the held-out ones are: new tasks over the training
     users (none equal to a task of train_tasks.jsonl; the test users untouched), then the shop and these tasks with
@@ -202,16 +208,14 @@ def validation_set(data_dir, seed, n=100):
         return shop, tasks_path
     db = env.load_db(os.path.join(data_dir, "shop.json"))
     users = synth.split_users(db, random.Random(seed))["train"]  # generate_tasks' split of this seed's shop
-    key = lambda t: json.dumps([t["user_scenario"], [(a["name"], a["arguments"])
-                                                     for a in t["evaluation_criteria"]["actions"]]], sort_keys=True)
-    seen = {key(t) for t in env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl"))}
+    seen = {task_key(t) for t in env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl"))}
     rng, tasks = random.Random(10**6 + seed), []
     for i in range(50 * n):
         if len(tasks) == n:
             break
         t = synth._make_task(db, db["users"][rng.choice(users)], synth.TASK_KINDS[i % len(synth.TASK_KINDS)], rng)
-        if t and key(t) not in seen:
-            seen.add(key(t))
+        if t and task_key(t) not in seen:
+            seen.add(task_key(t))
             t["id"] = f"val_{len(tasks)}"
             for j, a in enumerate(t["evaluation_criteria"]["actions"]):
                 a["action_id"] = f"{t['id']}_{j}"

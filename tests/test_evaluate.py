@@ -66,21 +66,20 @@ def test_validation_set_is_new_training_side_work_with_unseen_users(tmp_path, mo
     """tests/demo_study.py's validation set: tasks over the training users that equal no training task, then shop
     and tasks re-drawn by one mapping, so every gold action still finds its records (the control: on the shop as it
     was, the re-drawn gold writes find none)."""
+    import random
     import demo_study
     import synth
     data = tmp_path / "data"
     db, train, _ = synth.prepare_data(str(data), seed=3, n_train=60, n_test=10)
-    key = lambda t: json.dumps([t["user_scenario"], [(a["name"], a["arguments"])  # noqa: E731
-                                                     for a in t["evaluation_criteria"]["actions"]]], sort_keys=True)
     with monkeypatch.context() as m:  # without the re-draw: whose tasks they are, and that they are new
         m.setattr(sft, "redraw_ids", lambda x, rng, **kw: x)
         shop, path = demo_study.validation_set(str(data), 3, n=30)
         raw = env.load_tasks(path)
     emails = {u["email"]: uid for uid, u in db["users"].items()}
-    train_users = set(synth.split_users(db, __import__("random").Random(3))["train"])
+    train_users = set(synth.split_users(db, random.Random(3))["train"])
     owners = {emails[e] for t in raw for e in emails if e in t["user_scenario"]["instructions"]["known_info"]}
     assert owners and owners <= train_users
-    assert len(raw) == 30 and not {key(t) for t in raw} & {key(t) for t in train}
+    assert len(raw) == 30 and not {demo_study.task_key(t) for t in raw} & {demo_study.task_key(t) for t in train}
     (data / "val" / "tasks.jsonl").unlink()
     shop, path = demo_study.validation_set(str(data), 3, n=30)
     new_db, tasks = env.load_db(shop), env.load_tasks(path)
