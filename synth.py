@@ -505,7 +505,7 @@ def split_users(db, rng, test_frac=0.2):
 
 
 def generate_tasks(db, seed=0, n_train=400, n_test=60, test_frac=0.2):
-    """Tasks of every kind, balanced, over disjoint users: the last `test_frac` of users are test-only."""
+    """Tasks of every kind, balanced, over disjoint users: a `test_frac` share of them is test-only (split_users)."""
     rng = random.Random(seed)
     splits = split_users(db, rng, test_frac)
     out = {}
