@@ -58,9 +58,9 @@ from tqdm import tqdm
 import env
 from rollout import (AdapterOff, HFGenerator, ModelSetup, Ranks, TokenAgent, VLLMGenerator, add_scale_args,
                      add_user_args, autocast, check_flags, claim_or_stop, clip_grad, cpu_threads, errored_reasons,
-                     load_model, load_optimizer_state, load_train_state, logprobs_chunked, open_metrics, pad_batch,
-                     require_vllm, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking, setup_distributed,
-                     unwrap, user_backend)
+                     leave_ranks, load_model, load_optimizer_state, load_train_state, logprobs_chunked, open_metrics,
+                     pad_batch, require_vllm, resolve_checkpoint, run_episodes, save_checkpoint, set_thinking,
+                     setup_distributed, unwrap, user_backend)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -313,7 +313,7 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
           task_sampling, user, user_model, user_guidelines, max_errored_steps, llm_concurrency, llm_deadline, lr, clip,
           beta, mean_only, ppo_epochs, mini_batches, micro_batch, grad_clip, seed, save_every, resume, wandb, fsdp,
           cpu_offload, activation_checkpointing, lora_rank, lora_alpha, domain=None, tau1=None, split="train"):
-    """The GRPO loop. -> (policy, tokenizer)."""
+    """The GRPO loop. -> (policy, tokenizer); under torchrun the process ends instead (rollout.leave_ranks)."""
     # --- setup: the world and its tasks, the policy (rollout.ModelSetup: FSDP2, LoRA, the memory plan), the sampler
     config = dict(locals())
     if temperature <= 0:
@@ -414,9 +414,10 @@ def train(*, model, out, data_dir, tasks_file, db_file, policy_file, backend, vl
         if errored:  # their rewards were left out of every mean and every advantage; say how many and why
             print(f"grpo.py: {sum(errored.values())} episodes errored (not scored): "
                   + "; ".join(f"{n}x {reason}" for reason, n in errored.most_common()), flush=True)
-    if n_ranks > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if wb:
+        wb.finish()
+    if n_ranks > 1:
+        leave_ranks()  # under torchrun the process ends here (see there why)
     return unwrap(policy), tok
 
 

@@ -47,8 +47,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 import env
 from rollout import (LOGPROB_CHUNK, TINY_BASE, HFGenerator, ModelSetup, TokenAgent, add_scale_args, all_reduce_sum,
                      autocast, chatml_template, check_flags, claim_or_stop, clip_grad, cpu_threads, encode_conversation,
-                     load_model, load_optimizer_state, load_train_state, logprobs_chunked, open_metrics, pad_batch,
-                     point_latest, render, run_episodes, save_checkpoint, set_thinking, setup_distributed,
+                     leave_ranks, load_model, load_optimizer_state, load_train_state, logprobs_chunked, open_metrics,
+                     pad_batch, point_latest, render, run_episodes, save_checkpoint, set_thinking, setup_distributed,
                      token_logprobs, unwrap)
 
 def main(argv=None):
@@ -118,7 +118,7 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
     tiny-family model. With `patience`, training stops once that many validations in a row found no higher success
     on the held-out tasks; a validated run's `latest` then names its best checkpoint (best/), and the run is
     finished (--resume continues only a killed run). The last five arguments are
-    rollout.add_scale_args' flags. -> (model, tokenizer)."""
+    rollout.add_scale_args' flags. -> (model, tokenizer); under torchrun the process ends instead (leave_ranks)."""
     rank, n_ranks, device = setup_distributed()
     setup = ModelSetup.resolve(fsdp=fsdp, cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
                                lora_rank=lora_rank, lora_alpha=lora_alpha, n_ranks=n_ranks, device=device)
@@ -243,9 +243,8 @@ def train(*, data, model, tiny, out, steps, batch_size, grad_accum, lr, warmup, 
         print(f"sft.py: validation success peaked at {best['success']:.3f} at step {best['step']}: "
               f"{out}/latest names that checkpoint", flush=True)
         net, tok = load_model(out, **setup.load_kw)  # returned: the model the run folder now names
-    if n_ranks > 1:  # a barrier first: a rank tearing down while another still saves can deadlock in gloo
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if n_ranks > 1:
+        leave_ranks()  # under torchrun the process ends here (see there why)
     return unwrap(net), tok
 
 
