@@ -195,9 +195,9 @@ def task_key(task):
 
 def validation_set(data_dir, seed, n=100):
     """n training-side tasks that are to the trained models what the held-out ones are: new tasks over the training
-    users (none equal to a task of train_tasks.jsonl; the test users untouched), then the shop and these tasks with
-    every id and name re-drawn by one mapping (sft.redraw_ids), so their users are as unseen as the test users.
-    -> (shop path, tasks path) in <data_dir>/val, made once."""
+    users, the kinds in turn (none equal to a task of train_tasks.jsonl; the test users untouched), then the shop
+    and these tasks with every id and name re-drawn by one mapping (sft.redraw_ids), so their users are as unseen as
+    the test users. -> (shop path, tasks path) in <data_dir>/val, made once."""
     sys.path.insert(0, REPO)
     import env
     import sft
@@ -209,19 +209,21 @@ def validation_set(data_dir, seed, n=100):
     db = env.load_db(os.path.join(data_dir, "shop.json"))
     users = synth.split_users(db, random.Random(seed))["train"]  # generate_tasks' split of this seed's shop
     seen = {task_key(t) for t in env.load_tasks(os.path.join(data_dir, "train_tasks.jsonl"))}
-    rng, tasks = random.Random(10**6 + seed), []
-    for i in range(50 * n):
-        if len(tasks) == n:
-            break
-        t = synth._make_task(db, db["users"][rng.choice(users)], synth.TASK_KINDS[i % len(synth.TASK_KINDS)], rng)
-        if t and task_key(t) not in seen:
-            seen.add(task_key(t))
-            t["id"] = f"val_{len(tasks)}"
-            for j, a in enumerate(t["evaluation_criteria"]["actions"]):
-                a["action_id"] = f"{t['id']}_{j}"
-            tasks.append(t)
+    kinds, rng, tasks = list(synth.TASK_KINDS), random.Random(10**6 + seed), []
+    while len(tasks) < n and kinds:  # the kinds in turn, as generate_tasks balances the training and held-out tasks
+        kind = kinds[len(tasks) % len(kinds)]
+        draws = (synth._make_task(db, db["users"][rng.choice(users)], kind, rng) for _ in range(500))
+        t = next((t for t in draws if t and task_key(t) not in seen), None)
+        if t is None:  # the training tasks took every request of this kind the training users can make
+            kinds.remove(kind)
+            continue
+        seen.add(task_key(t))
+        t["id"] = f"val_{len(tasks)}"
+        for j, a in enumerate(t["evaluation_criteria"]["actions"]):
+            a["action_id"] = f"{t['id']}_{j}"
+        tasks.append(t)
     if len(tasks) < n:
-        raise SystemExit(f"{data_dir}: only {len(tasks)} new training-side tasks in {50 * n} draws; ask for fewer")
+        raise SystemExit(f"{data_dir}: only {len(tasks)} new training-side tasks; ask for fewer (--val-tasks)")
     new_db, tasks = sft.redraw_ids([db, tasks], random.Random(seed), keys=True, unique=True)
     if any(len(new_db[k]) != len(db[k]) for k in db):  # unique=True makes this impossible; a shop that breaks it stops
         raise SystemExit(f"{data_dir}/shop.json: re-drawing its ids merged records")

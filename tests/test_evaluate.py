@@ -3,6 +3,7 @@ with an LLM user behind a fake OpenAI-compatible endpoint (including one that fa
 system prompt, and BFCL v3 multi-turn (--bench bfcl) through bfcl-eval's own backends and checker."""
 
 import ast
+import collections
 import functools
 import importlib.util
 import json
@@ -63,9 +64,9 @@ def test_study_intervals_carry_run_to_run_spread():
 
 
 def test_validation_set_is_new_training_side_work_with_unseen_users(tmp_path, monkeypatch):
-    """tests/demo_study.py's validation set: tasks over the training users that equal no training task, then shop
-    and tasks re-drawn by one mapping, so every gold action still finds its records (the control: on the shop as it
-    was, the re-drawn gold writes find none)."""
+    """tests/demo_study.py's validation set: tasks of every kind in turn over the training users that equal no
+    training task, then shop and tasks re-drawn by one mapping, so every gold action still finds its records (the
+    control: on the shop as it was, the re-drawn gold writes find none)."""
     import random
     import demo_study
     import synth
@@ -80,6 +81,8 @@ def test_validation_set_is_new_training_side_work_with_unseen_users(tmp_path, mo
     owners = {emails[e] for t in raw for e in emails if e in t["user_scenario"]["instructions"]["known_info"]}
     assert owners and owners <= train_users
     assert len(raw) == 30 and not {demo_study.task_key(t) for t in raw} & {demo_study.task_key(t) for t in train}
+    kinds = collections.Counter(t["kind"] for t in raw)  # balanced like the held-out tasks (30 over 9 kinds: 3 or 4)
+    assert set(kinds) == set(synth.TASK_KINDS) and max(kinds.values()) - min(kinds.values()) <= 1
     (data / "val" / "tasks.jsonl").unlink()
     shop, path = demo_study.validation_set(str(data), 3, n=30)
     new_db, tasks = env.load_db(shop), env.load_tasks(path)
