@@ -20,7 +20,8 @@ resamples each seed's tasks (the same tasks for both models) and averages over s
 seeds too (how far a rerun moves it), and pass^1 per task kind.
 Writes <out>/study.json, <out>/study.md and <out>/reward.png (GRPO's training reward, every seed).
 --validate scores the same three models on training-side tasks neither stage trained on, their users re-drawn to be
-as unseen as the test users (<seed>/data/val): the place to compare defaults, since the held-out tasks must not be.
+as unseen as the test users (<seed>/data/validation): the place to compare defaults, since the held-out tasks must
+not be.
 Writes <out>/validation.md.
 """
 import argparse
@@ -197,12 +198,12 @@ def validation_set(data_dir, seed, n=100):
     """n training-side tasks that are to the trained models what the held-out ones are: new tasks over the training
     users, the kinds in turn (none equal to a task of train_tasks.jsonl; the test users untouched), then the shop
     and these tasks with every id and name re-drawn by one mapping (sft.redraw_ids), so their users are as unseen as
-    the test users. -> (shop path, tasks path) in <data_dir>/val, made once."""
+    the test users. -> (shop path, tasks path) in <data_dir>/validation, made once."""
     sys.path.insert(0, REPO)
     import env
     import sft
     import synth
-    folder = os.path.join(data_dir, "val")
+    folder = os.path.join(data_dir, "validation")  # not "val": 6413063 made uneven sets there
     shop, tasks_path = os.path.join(folder, "shop.json"), os.path.join(folder, "tasks.jsonl")
     if os.path.exists(tasks_path):
         return shop, tasks_path
@@ -240,12 +241,13 @@ def validate(out, seeds, n=100):
     table = {}
     for s in seeds:
         d = lambda *p: os.path.join(out, f"seed{s}", *p)
-        if not os.path.exists(d("eval_val", "results.json")):
+        ev = d("eval_validation")  # not "eval_val": 6413063's scores on its uneven sets
+        if not os.path.exists(os.path.join(ev, "results.json")):
             shop, tasks = validation_set(d("data"), s, n)
-            run(["evaluate.py", "--data-dir", d("data"), "--db", shop, "--tasks", tasks, "--k", "4", "--out",
-                 d("eval_val"), "--models", f"sft={d('sft')}", f"mua-rl={d('grpo')}", f"sft-more={d('sft_more')}"],
+            run(["evaluate.py", "--data-dir", d("data"), "--db", shop, "--tasks", tasks, "--k", "4", "--out", ev,
+                 "--models", f"sft={d('sft')}", f"mua-rl={d('grpo')}", f"sft-more={d('sft_more')}"],
                 d("evaluate-val.log"))
-        table[s] = {r: scores(per_task(d("eval_val", f"{r}_shop.jsonl"))) for r in ("sft", "mua-rl", "sft-more")}
+        table[s] = {r: scores(per_task(os.path.join(ev, f"{r}_shop.jsonl"))) for r in ("sft", "mua-rl", "sft-more")}
     lines = ["| model | " + " | ".join(f"seed {s} pass^1" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
     lines += [f"| {r} | " + " | ".join(f"{100 * sum(x[0] for x in table[s][r].values()) / len(table[s][r]):.1f}"
                                      for s in seeds) + " |" for r in ("sft", "mua-rl", "sft-more")]

@@ -83,7 +83,7 @@ def test_validation_set_is_new_training_side_work_with_unseen_users(tmp_path, mo
     assert len(raw) == 30 and not {demo_study.task_key(t) for t in raw} & {demo_study.task_key(t) for t in train}
     kinds = collections.Counter(t["kind"] for t in raw)  # balanced like the held-out tasks (30 over 9 kinds: 3 or 4)
     assert set(kinds) == set(synth.TASK_KINDS) and max(kinds.values()) - min(kinds.values()) <= 1
-    (data / "val" / "tasks.jsonl").unlink()
+    (data / "validation" / "tasks.jsonl").unlink()
     shop, path = demo_study.validation_set(str(data), 3, n=30)
     new_db, tasks = env.load_db(shop), env.load_tasks(path)
     assert [t["kind"] for t in tasks] == [t["kind"] for t in raw]
